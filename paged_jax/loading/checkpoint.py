@@ -1,0 +1,97 @@
+"""Converted-parameter checkpoints with orbax: convert a GGUF or HF model once, load fast.
+
+A checkpoint directory holds
+    paged_jax_model.json   the ModelConfig and the parameter dtype
+    params/                the parameter pytree, written by orbax (OCDBT, zarr v2)
+    tokenizer/             the tokenizer, as `save_pretrained` writes it
+Restoring passes orbax the exact shapes and dtypes (from the config), so nothing is
+re-derived and the parameters come back bit-identical. Zarr v2 and restoring into numpy
+before one device_put measured about 2x faster than orbax's defaults on 2 CPU cores
+(experiments/load_times.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.model import Params, param_shapes
+from paged_jax.model_config import ModelConfig, RopeScaling
+
+MARKER = "paged_jax_model.json"
+FORMAT_VERSION = 1
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict) -> ModelConfig:
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    return ModelConfig(**data)
+
+
+def _orbax():
+    import orbax.checkpoint as ocp  # imported lazily: orbax pulls in a lot at import time
+    return ocp, ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=False))
+
+
+def save_checkpoint(path: str, cfg: ModelConfig, params: Params, tokenizer=None) -> None:
+    """Write a checkpoint to directory `path` (created; must not already hold one)."""
+    path = os.path.abspath(path)
+    if is_checkpoint(path):
+        raise ValueError(f"{path} already holds a paged_jax checkpoint; choose a new directory")
+    os.makedirs(path, exist_ok=True)
+    dtype = jnp.dtype(params["embed"].dtype).name
+    ocp, ckpt = _orbax()
+    with ckpt:
+        ckpt.save(os.path.join(path, "params"), args=ocp.args.PyTreeSave(params))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
+    with open(os.path.join(path, MARKER), "w") as f:  # written last: marks a complete checkpoint
+        json.dump({"format_version": FORMAT_VERSION, "dtype": dtype, "config": config_to_dict(cfg)}, f, indent=1)
+
+
+def _restore_as_numpy(dtype):
+    import orbax.checkpoint as ocp
+    return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+
+
+def load_checkpoint(path: str) -> tuple[ModelConfig, Params, object]:
+    """Restore (config, params, tokenizer or None) from a directory `save_checkpoint` wrote."""
+    path = os.path.abspath(path)
+    if not is_checkpoint(path):
+        raise ValueError(f"{path} is not a paged_jax checkpoint (no {MARKER})")
+    with open(os.path.join(path, MARKER)) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {meta.get('format_version')} is not supported "
+                         f"(this paged_jax reads format {FORMAT_VERSION})")
+    cfg = config_from_dict(meta["config"])
+    dtype = np.dtype(jnp.dtype(meta["dtype"]))
+    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(cfg),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    restore_args = jax.tree.map(lambda a: _restore_as_numpy(a.dtype), abstract)
+    ocp, ckpt = _orbax()
+    with ckpt:
+        params = ckpt.restore(os.path.join(path, "params"),
+                              args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+    params = jax.tree.map(jnp.asarray, params)
+    tokenizer = None
+    tokenizer_dir = os.path.join(path, "tokenizer")
+    if os.path.isdir(tokenizer_dir):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return cfg, params, tokenizer

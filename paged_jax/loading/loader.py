@@ -1,0 +1,94 @@
+"""One entry point for every weight source: `load_model("smollm2-135m")`.
+
+Accepts a registered name, a GGUF file, a Hugging Face directory (config.json +
+safetensors + tokenizer files) or a paged_jax orbax checkpoint, and always returns the
+same three things: a ModelConfig, a parameter pytree in paged_jax's layout, and a
+`transformers` tokenizer (with the model's chat template when it has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.loading import checkpoint, registry
+from paged_jax.model import Params
+from paged_jax.model_config import ModelConfig
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase, or None (checkpoint saved without one)
+    source: str  # the file or directory the weights came from
+    kind: str  # "gguf" | "hf" | "checkpoint"
+    load_seconds: float  # wall time of the load, for the record
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {list(SUPPORTED_DTYPES)}")
+    return jnp.dtype(name)
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def detect_kind(path: str) -> str:
+    """Which loader reads `path`: "gguf", "hf" or "checkpoint"; ValueError otherwise."""
+    if os.path.isfile(path) and _is_gguf(path):
+        return "gguf"
+    if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+        return "checkpoint"
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    what = "does not exist" if not os.path.exists(path) else (
+        "is a file without the GGUF magic bytes" if os.path.isfile(path) else
+        "is a directory with neither config.json nor " + checkpoint.MARKER)
+    raise ValueError(
+        f"cannot load model from {path!r}: it {what}. Expected a registered name "
+        f"{sorted(registry.REGISTRY)}, a .gguf file, a Hugging Face directory "
+        "(config.json + *.safetensors) or a paged_jax checkpoint directory")
+
+
+def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32") -> LoadedModel:
+    """Load weights, config and tokenizer from any supported source (see module doc)."""
+    start = time.perf_counter()
+    target = resolve_dtype(dtype)
+    if model in registry.REGISTRY or (os.sep not in model and not os.path.exists(model)):
+        path = registry.resolve(model)  # a bare unknown name gets "registered names: ..."
+    else:
+        path = model
+    kind = detect_kind(path)
+    if kind == "gguf":
+        from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
+        from paged_jax.loading.gguf_weights import load_gguf
+        cfg, params = load_gguf(path, dtype=target)
+        tokenizer = load_gguf_tokenizer(path)
+    elif kind == "hf":
+        from transformers import AutoTokenizer
+
+        from paged_jax.loading.hf_weights import load_hf_directory
+        cfg, params = load_hf_directory(path, dtype=target)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    else:
+        cfg, params, tokenizer = checkpoint.load_checkpoint(path)
+        if params["embed"].dtype != target:
+            params = jax.tree.map(lambda a: a.astype(target), params)
+    return LoadedModel(cfg, params, tokenizer, os.path.abspath(path), kind, time.perf_counter() - start)
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
