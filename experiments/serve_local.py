@@ -56,4 +56,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)  # absl logs INFO by default; -1 = warnings (--verbosity=0 restores)
     app.run(main)

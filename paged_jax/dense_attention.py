@@ -28,19 +28,20 @@ def init_dense_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=jnp.
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def dense_attention(q, k, v, layer_cache, metadata: DenseMetadata, *, sliding_window=None):
-    """Write the new K/V into one layer's cache, then attend causally.
+def dense_attention(q, k, v, kv_cache, layer, metadata: DenseMetadata, *, sliding_window=None):
+    """Write the new K/V into layer `layer` of the cache, then attend causally.
 
-    q [B, T, Hq, D]; k, v [B, T, Hkv, D]; layer_cache {"k", "v"}: [B, S, Hkv, D].
+    q [B, T, Hq, D]; k, v [B, T, Hkv, D]; kv_cache {"k", "v"}: [num_layers, B, S, Hkv, D].
     Query t of row b sees cache index j iff j <= positions[b, t] (and, with a sliding
     window W, j > positions[b, t] - W). Indices past a row's length hold zeros or stale
-    padding; the mask keeps them out. Returns (out [B, T, Hq, D], new layer_cache).
+    padding; the mask keeps them out. Returns (out [B, T, Hq, D], updated kv_cache).
     """
     batch, num_new, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     rows = jnp.arange(batch)[:, None]
-    k_cache = layer_cache["k"].at[rows, metadata.write_positions].set(k, mode="drop")
-    v_cache = layer_cache["v"].at[rows, metadata.write_positions].set(v, mode="drop")
+    kv_cache = {name: kv_cache[name].at[layer, rows, metadata.write_positions].set(new, mode="drop")
+                for name, new in (("k", k), ("v", v))}
+    k_cache, v_cache = kv_cache["k"][layer], kv_cache["v"][layer]
     max_len = k_cache.shape[1]
 
     group = num_heads // num_kv_heads
@@ -57,4 +58,4 @@ def dense_attention(q, k, v, layer_cache, metadata: DenseMetadata, *, sliding_wi
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache,
                      preferred_element_type=jnp.float32)
     out = out.reshape(batch, num_new, num_heads, head_dim).astype(q.dtype)
-    return out, {"k": k_cache, "v": v_cache}
+    return out, kv_cache

@@ -5,10 +5,12 @@ leading `num_layers` axis, so the decoder is one `lax.scan` over layers: one lay
 to compile instead of `num_layers`.
 
 The KV cache and the attention metadata are explicit arguments and results. The model
-never looks inside them: each layer hands its new q/k/v to an `attention_fn` that writes
-K/V into its slice of the cache and attends, so the same model code runs on a dense
-contiguous cache (`paged_jax.dense_attention`) and on a paged cache read through block
-tables. Token ids may have any leading shape (`[batch, seq]` for the dense reference,
+never looks inside them: each layer hands its new q/k/v, the whole cache and its layer
+index to an `attention_fn` that writes K/V into that layer's part of the cache and
+attends, so the same model code runs on a dense contiguous cache
+(`paged_jax.dense_attention`) and on a paged cache read through block tables. The cache
+rides in the scan's carry, not its xs/ys: XLA then updates it in place (a donated
+multi-GB cache is never copied per step), and each layer scatters only its new K/V. Token ids may have any leading shape (`[batch, seq]` for the dense reference,
 `[num_tokens]` for a flattened ragged batch); only `attention_fn` cares.
 
 Parameter layout (L = num_layers, H = hidden_size, Q = num_heads * head_dim,
@@ -37,8 +39,8 @@ from paged_jax.model_config import ModelConfig
 from paged_jax.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 Params = dict[str, Any]
-# (q [*tok, Hq, D], k [*tok, Hkv, D], v [*tok, Hkv, D], layer_cache, metadata)
-#   -> (out [*tok, Hq, D], new layer_cache)
+# (q [*tok, Hq, D], k [*tok, Hkv, D], v [*tok, Hkv, D], kv_cache, layer i32[], metadata)
+#   -> (out [*tok, Hq, D], kv_cache with layer `layer`'s new K/V written)
 AttentionFn = Callable[..., tuple[jnp.ndarray, Any]]
 
 
@@ -95,7 +97,7 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _attention_block(cfg, lp, x, cos, sin, layer_cache, metadata, attention_fn):
+def _attention_block(cfg, lp, x, cos, sin, kv_cache, layer, metadata, attention_fn):
     tok_shape = x.shape[:-1]
     q = x @ lp["wq"]
     k = x @ lp["wk"]
@@ -109,11 +111,11 @@ def _attention_block(cfg, lp, x, cos, sin, layer_cache, metadata, attention_fn):
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, layer_cache = attention_fn(q, k, v, layer_cache, metadata)
+    out, kv_cache = attention_fn(q, k, v, kv_cache, layer, metadata)
     out = out.reshape(*tok_shape, cfg.q_size).astype(x.dtype) @ lp["wo"]
     if cfg.o_bias:
         out = out + lp["bo"]
-    return out, layer_cache
+    return out, kv_cache
 
 
 def _mlp_block(lp, x):
@@ -124,8 +126,8 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jnp.ndarray, positions:
             kv_cache: Any, metadata: Any, attention_fn: AttentionFn) -> tuple[jnp.ndarray, Any]:
     """Run the decoder over new tokens.
 
-    token_ids, positions: i32[*tok]. kv_cache: a pytree whose leaves all have a leading
-    `num_layers` axis; layer l's slice goes to `attention_fn` with `metadata`.
+    token_ids, positions: i32[*tok]. kv_cache: any pytree (leaves with a leading
+    `num_layers` axis by convention); `attention_fn` gets it with the layer index.
     Returns (hidden [*tok, hidden_size] after the final norm, the updated kv_cache).
     Logits are a separate step (`compute_logits`) so callers project only the rows
     they sample from.
@@ -133,15 +135,17 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jnp.ndarray, positions:
     x = params["embed"][token_ids]
     cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
-    def layer(x, layer_inputs):
-        lp, layer_cache = layer_inputs
+    def layer(carry, layer_inputs):
+        x, kv_cache = carry
+        lp, index = layer_inputs
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        attn, layer_cache = _attention_block(cfg, lp, h, cos, sin, layer_cache, metadata, attention_fn)
+        attn, kv_cache = _attention_block(cfg, lp, h, cos, sin, kv_cache, index, metadata, attention_fn)
         x = x + attn
         x = x + _mlp_block(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
-        return x, layer_cache
+        return (x, kv_cache), None
 
-    x, kv_cache = jax.lax.scan(layer, x, (params["layers"], kv_cache))
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (params["layers"], layers))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 

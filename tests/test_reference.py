@@ -19,10 +19,10 @@ _V = jnp.array([[1.0, 0.0], [0.0, 1.0], [3.0, 3.0]])
 def _hand_attention(write_positions, sliding_window=None):
     q = jnp.zeros((1, 3, 1, 2))
     k = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])[None, :, None, :]
-    cache = {"k": jnp.zeros((1, 4, 1, 2)), "v": jnp.zeros((1, 4, 1, 2))}
+    cache = {"k": jnp.zeros((1, 1, 4, 1, 2)), "v": jnp.zeros((1, 1, 4, 1, 2))}  # one layer
     meta = DenseMetadata(positions=jnp.array([[0, 1, 2]]), write_positions=jnp.array([write_positions]))
-    out, cache = dense_attention(q, k, _V[None, :, None, :], cache, meta, sliding_window=sliding_window)
-    return np.asarray(out[0, :, 0]), np.asarray(cache["v"][0, :, 0])
+    out, cache = dense_attention(q, k, _V[None, :, None, :], cache, 0, meta, sliding_window=sliding_window)
+    return np.asarray(out[0, :, 0]), np.asarray(cache["v"][0, 0, :, 0])
 
 
 def test_dense_attention_hand_case():
