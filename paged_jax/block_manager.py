@@ -1,0 +1,304 @@
+"""Block tables: which physical blocks hold each sequence's KV cache.
+
+The block manager maps sequence ids to block tables (logical block i holds tokens
+`[i*block_size, (i+1)*block_size)`), grows them on demand, shares blocks between forked
+sequences with reference counts and copy-on-write, and moves whole groups of sequences
+to a host pool and back (swap preemption). It decides nothing: the scheduler asks
+`can_*` questions and then issues orders. Pure Python, no jax or numpy.
+
+Copy orders. `allocate_slots`, `swap_out` and `swap_in` return `(src, dst)` block-id
+pairs that the runner must execute before the next forward pass. Executing them in the
+order the calls returned them is always correct. The usual batched order (swap-out, then
+swap-in, then copy-on-write) is equivalent as long as one step neither swaps out a
+sequence it has already grown nor swaps in and out in the same step.
+"""
+
+from __future__ import annotations
+
+from paged_jax.block_pool import BlockPool, KVCacheBlock
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class BlockManager:
+    """Per-sequence block tables over a device pool (with a null block 0) and a host pool.
+
+    Invariants (see `check_invariants`): each sequence's table has exactly
+    `num_blocks_needed(num_tokens)` blocks, all on the device unless the sequence is
+    swapped, in which case all on the host; each block's ref_count equals the number of
+    tables holding it; every non-null block is free xor referenced; the null block is in
+    no table. Only a table's last block may be partly full, and a partly full block is
+    written only by a sequence that holds it alone (copy-on-write).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
+                 watermark: float = 0.01) -> None:
+        _check_int("num_blocks", num_blocks, 2)  # the null block plus at least one usable
+        _check_int("block_size", block_size, 1)
+        _check_int("num_host_blocks", num_host_blocks, 0)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) \
+                or not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.watermark = watermark
+        self._device = BlockPool(num_blocks, reserve_null_block=True)
+        self._host = BlockPool(num_host_blocks, reserve_null_block=False)
+        # Blocks to keep free when admitting new sequences or swapping in, so that the
+        # running ones can keep growing for a while without preemption (vLLM's watermark).
+        self.watermark_blocks = int(watermark * self.num_usable_blocks)
+        self._tables: dict[int, list[KVCacheBlock]] = {}  # seq id -> block table
+        self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
+        self._swapped: set[int] = set()  # seq ids whose tables refer to host blocks
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Device blocks that can ever be handed out: num_blocks - 1 (the null block)."""
+        return self._device.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._device.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of usable device blocks held by some sequence."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+        _check_int("num_tokens", num_tokens, 0)
+        return -(-num_tokens // self.block_size)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def is_swapped(self, seq_id: int) -> bool:
+        self._require(seq_id)
+        return seq_id in self._swapped
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of the sequence, in logical order (host ids if swapped)."""
+        return [b.block_id for b in self._require(seq_id)]
+
+    def num_tokens(self, seq_id: int) -> int:
+        self._require(seq_id)
+        return self._num_tokens[seq_id]
+
+    def num_tokens_held(self) -> int:
+        """Tokens stored in device blocks, counting each physical block once."""
+        held: dict[int, int] = {}  # block id -> tokens in it
+        for seq_id, table in self._device_tables():
+            n = self._num_tokens[seq_id]
+            for i, block in enumerate(table):
+                tokens = min(self.block_size, n - i * self.block_size)
+                held[block.block_id] = max(held.get(block.block_id, 0), tokens)
+        return sum(held.values())
+
+    def num_slots_allocated(self) -> int:
+        """Token slots in device blocks held by some sequence (each block once).
+
+        num_tokens_held() / num_slots_allocated() is the KV-cache utilization metric:
+        the waste is at most block_size - 1 slots per distinct last block.
+        """
+        distinct = {b.block_id for _, table in self._device_tables() for b in table}
+        return len(distinct) * self.block_size
+
+    def num_blocks_without_sharing(self) -> int:
+        """Device blocks the device-resident tables would need if nothing were shared."""
+        return sum(len(table) for _, table in self._device_tables())
+
+    # ------------------------------------------------------------------ admission and growth
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free."""
+        needed = self.num_blocks_needed(num_tokens)
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def allocate_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]] | None:
+        """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
+
+        Blocks are added only when the last one is full (on demand). If the sequence is
+        about to write into a partly full last block that another table shares, that
+        block is first replaced by a fresh private one and the returned list holds the
+        copy order `(src_block_id, dst_block_id)`; a full shared block is never copied
+        (nobody writes into it). Returns None and changes nothing when the device lacks
+        free blocks; no watermark applies here, since running sequences may use it.
+        Shrinking is a ValueError; so is growing a swapped sequence.
+        """
+        _check_int("num_total_tokens", num_total_tokens, 0)
+        table = self._tables.get(seq_id, [])
+        if seq_id in self._swapped:
+            raise ValueError(f"sequence {seq_id} is swapped out; swap it in before growing it")
+        current = self._num_tokens.get(seq_id, 0)
+        if num_total_tokens < current:
+            raise ValueError(
+                f"sequence {seq_id} holds {current} tokens; cannot shrink to {num_total_tokens}")
+        num_new = self.num_blocks_needed(num_total_tokens) - len(table)
+        copy_on_write = (num_total_tokens > current and current % self.block_size != 0
+                         and table[-1].ref_count > 1)
+        if num_new + copy_on_write > self.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        if copy_on_write:
+            shared = table[-1]
+            (private,) = self._device.get_new_blocks(1)
+            table[-1] = private
+            self._device.free_blocks([shared])  # ref_count > 1, so it stays referenced
+            copies.append((shared.block_id, private.block_id))
+        table.extend(self._device.get_new_blocks(num_new))
+        self._tables[seq_id] = table
+        self._num_tokens[seq_id] = num_total_tokens
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give `child_id` the parent's table (every block gains a reference) and token count.
+
+        Used for parallel sampling and beam search; the children diverge later through
+        copy-on-write in `allocate_slots`. The parent must be device-resident.
+        """
+        parent = self._require(parent_id)
+        if parent_id in self._swapped:
+            raise ValueError(f"cannot fork sequence {parent_id}: it is swapped out")
+        if child_id in self._tables:
+            raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
+        self._device.incr_ref(parent)
+        self._tables[child_id] = list(parent)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references (device or host side) and forget it.
+
+        Blocks go to the free queue last block first, so a sequence's tail blocks (the
+        least likely to be shared as a prefix) are the first to be reused.
+        """
+        table = self._require(seq_id)
+        pool = self._host if seq_id in self._swapped else self._device
+        pool.free_blocks(reversed(table))
+        del self._tables[seq_id], self._num_tokens[seq_id]
+        self._swapped.discard(seq_id)
+
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        """Whether the host pool can take a copy of every distinct block of the group."""
+        group = self._group_blocks(seq_ids, swapped=False)
+        return len(group) <= self.num_free_host_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a group's tables to host blocks; return `(device_id, host_id)` copy orders.
+
+        Each distinct device block gets one host block, so sharing inside the group
+        survives. A device block also held outside the group stays on the device with
+        the outsiders' references; otherwise it becomes free. Raises ValueError (and
+        changes nothing) if the host pool is too small: check `can_swap_out` first.
+        """
+        return self._move(seq_ids, src=self._device, dst=self._host, to_host=True)
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        """Whether the device can take the group back, leaving the watermark free."""
+        group = self._group_blocks(seq_ids, swapped=True)
+        return self.num_free_blocks - len(group) >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a swapped group back to device blocks; return `(host_id, device_id)` orders.
+
+        The inverse of `swap_out`: the host blocks are released and, for a group that
+        shared no block with outsiders when swapped out, device ref counts come back
+        equal. Raises ValueError (and changes nothing) if there are fewer free device
+        blocks than the group's distinct blocks (the watermark is `can_swap_in`'s rule).
+        """
+        return self._move(seq_ids, src=self._host, dst=self._device, to_host=False)
+
+    def _move(self, seq_ids: list[int], *, src: BlockPool, dst: BlockPool,
+              to_host: bool) -> list[tuple[int, int]]:
+        group = self._group_blocks(seq_ids, swapped=not to_host)
+        if len(group) > dst.num_free_blocks:
+            side = "host" if to_host else "device"
+            raise ValueError(
+                f"swapping {len(group)} blocks needs as many free {side} blocks; "
+                f"{dst.num_free_blocks} are free")
+        mapping: dict[int, KVCacheBlock] = {}  # id(old block) -> its copy
+        for (block, refs), copy in zip(group, dst.get_new_blocks(len(group))):
+            dst.incr_ref([copy] * (refs - 1))  # one reference per table, as before
+            mapping[id(block)] = copy
+        for seq_id in seq_ids:
+            old = self._tables[seq_id]
+            self._tables[seq_id] = [mapping[id(b)] for b in old]
+            src.free_blocks(reversed(old))
+            if to_host:
+                self._swapped.add(seq_id)
+            else:
+                self._swapped.discard(seq_id)
+        return [(block.block_id, mapping[id(block)].block_id) for block, _ in group]
+
+    def _group_blocks(self, seq_ids: list[int], *,
+                      swapped: bool) -> list[tuple[KVCacheBlock, int]]:
+        """Validate a swap group; return its distinct blocks (first-seen order) with the
+        number of the group's tables holding each."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate sequence ids in swap group {seq_ids}")
+        counts: dict[int, list] = {}  # id(block) -> [block, tables holding it]
+        for seq_id in seq_ids:
+            table = self._require(seq_id)
+            if (seq_id in self._swapped) != swapped:
+                where = "device-resident" if swapped else "swapped out"
+                raise ValueError(f"sequence {seq_id} is {where}; cannot swap it that way")
+            for block in table:
+                counts.setdefault(id(block), [block, 0])[1] += 1
+        return [(block, refs) for block, refs in counts.values()]
+
+    # ------------------------------------------------------------------ checks
+
+    def _require(self, seq_id: int) -> list[KVCacheBlock]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+
+    def _device_tables(self):
+        return ((s, t) for s, t in self._tables.items() if s not in self._swapped)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError listing every broken invariant (see the class docstring)."""
+        problems = [f"device pool: {p}" for p in self._device.check_invariants()]
+        problems += [f"host pool: {p}" for p in self._host.check_invariants()]
+        if not self._swapped <= self._tables.keys():
+            problems.append(f"swapped ids {self._swapped - self._tables.keys()} have no table")
+        if self._tables.keys() != self._num_tokens.keys():
+            problems.append("block tables and token counts name different sequences")
+        for side, pool in (("device", self._device), ("host", self._host)):
+            holders = {id(b): 0 for b in pool.blocks}  # id(block) -> tables holding it
+            for seq_id, table in self._tables.items():
+                if (seq_id in self._swapped) != (side == "host"):
+                    continue
+                needed = self.num_blocks_needed(self._num_tokens.get(seq_id, 0))
+                if len(table) != needed:
+                    problems.append(
+                        f"sequence {seq_id}: {len(table)} blocks for "
+                        f"{self._num_tokens.get(seq_id)} tokens, expected {needed}")
+                for block in table:
+                    if block is pool.null_block:
+                        problems.append(f"sequence {seq_id} holds the null block")
+                    elif id(block) not in holders:
+                        problems.append(
+                            f"sequence {seq_id} holds block {block.block_id} "
+                            f"that is not in the {side} pool")
+                    else:
+                        holders[id(block)] += 1
+            for block in pool.blocks:
+                if block is not pool.null_block and block.ref_count != holders[id(block)]:
+                    problems.append(
+                        f"{side} block {block.block_id}: ref_count {block.ref_count} but "
+                        f"{holders[id(block)]} tables hold it")
+        if problems:
+            raise AssertionError("block manager invariants broken:\n  " + "\n  ".join(problems))

@@ -1,0 +1,257 @@
+"""Physical KV-cache blocks, their free queue, and the pool that hands them out.
+
+A pool owns a fixed set of `KVCacheBlock`s (one per physical block of the KV cache, or of
+the host swap space) and knows only reference counts: which sequence holds which block is
+the block manager's business. Pure Python, no jax or numpy: this runs on the host every
+scheduler step and must stay cheap.
+
+The free queue is a doubly linked list threaded through the blocks themselves (as vLLM
+v1's `FreeKVCacheBlockQueue`) rather than a `deque`, because prefix caching needs to pull
+a freed-but-still-cached block out of the *middle* of the queue in O(1) when a new request
+hits it. Freed blocks go to the tail and new blocks come from the head, so the queue is
+also the LRU eviction order for cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+NULL_BLOCK_ID = 0
+
+
+@dataclass(eq=False)  # identity semantics: blocks are hashed and compared as objects
+class KVCacheBlock:
+    """One physical block of `block_size` token slots."""
+
+    # Index of the block in the KV-cache array (or the host swap array); never changes.
+    block_id: int
+    # Number of block tables holding this block; 0 means the block is in the free queue.
+    ref_count: int = 0
+    # Chained hash of the block's tokens, set once the block is full (prefix caching);
+    # None for a partial block. Carried only, until prefix caching lands.
+    block_hash: int | None = None
+    # Free-queue neighbours; both None exactly when the block is not in a free queue.
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)
+    next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+    @property
+    def in_free_queue(self) -> bool:
+        return self.prev_free is not None
+
+
+class FreeBlockQueue:
+    """Doubly linked FIFO of free blocks with O(1) `popleft`, `append` and `remove`.
+
+    Two sentinel nodes (block_id -1) bracket the list so no operation special-cases an
+    empty queue or an end of the list. Invariant: a block is in the queue iff its
+    `prev_free` is set; a block is in at most one queue at a time.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(block_id=-1)
+        self._tail = KVCacheBlock(block_id=-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Blocks from head (next to be handed out) to tail (most recently freed).
+
+        Walks at most `len(self)` links, so a corrupted (cyclic) list cannot hang it.
+        """
+        node = self._head.next_free
+        for _ in range(self._len):
+            if node is None or node is self._tail:
+                return
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head block (least recently freed)."""
+        if self._len == 0:
+            raise ValueError("popleft from an empty free block queue")
+        block = self._head.next_free
+        assert block is not None and block is not self._tail
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put `block` at the tail (most recently freed)."""
+        if block.in_free_queue or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in a free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from wherever it sits in the queue, in O(1)."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in a free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def walk(self) -> tuple[list[KVCacheBlock], list[str]]:
+        """Follow the links from head to tail for invariant checks.
+
+        Returns the blocks met and a list of problems (broken back links, a block met
+        twice, a length that disagrees with the counter). Stops at the first repeat, so
+        a cycle cannot hang it.
+        """
+        problems: list[str] = []
+        seen: set[int] = set()  # id() of nodes met
+        met: list[KVCacheBlock] = []
+        prev, node = self._head, self._head.next_free
+        while node is not self._tail:
+            if node is None:
+                problems.append("free queue link is None before the tail sentinel")
+                break
+            if node.prev_free is not prev:
+                problems.append(f"block {node.block_id}: prev_free does not point back")
+            if id(node) in seen:
+                problems.append(f"block {node.block_id} appears twice in the free queue")
+                break
+            seen.add(id(node))
+            met.append(node)
+            prev, node = node, node.next_free
+        else:
+            if self._tail.prev_free is not prev:
+                problems.append("tail sentinel's prev_free does not point at the last block")
+        if not problems and len(met) != self._len:
+            problems.append(f"free queue holds {len(met)} blocks but counts {self._len}")
+        return met, problems
+
+
+class BlockPool:
+    """A fixed set of physical blocks with reference counts and a free queue.
+
+    With `reserve_null_block` (the device KV cache), block 0 is the null block: padded
+    block-table entries and padded slots point at it, so it is never handed out, never
+    freed and never in the free queue. The host swap pool has no padding and uses every
+    block (`reserve_null_block=False`).
+
+    Invariant: every non-null block either has `ref_count == 0` and sits in the free
+    queue, or has `ref_count > 0` and does not.
+    """
+
+    def __init__(self, num_blocks: int, *, reserve_null_block: bool = True) -> None:
+        min_blocks = 2 if reserve_null_block else 0
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < min_blocks:
+            raise ValueError(
+                f"num_blocks must be an int >= {min_blocks} "
+                f"(reserve_null_block={reserve_null_block}), got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
+        first_usable = 1 if reserve_null_block else 0
+        self.free_queue = FreeBlockQueue(self.blocks[first_usable:])
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1.
+
+        Raises ValueError (and takes nothing) if fewer are free: callers check first.
+        A block handed out is empty, so its stale `block_hash` is cleared.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            assert block.ref_count == 0, f"free block {block.block_id} has refs"
+            block.ref_count = 1
+            block.block_hash = None
+            out.append(block)
+        return out
+
+    def incr_ref(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one reference to each block (a new table holds it).
+
+        A block with ref_count 0 is taken out of the free queue first (a prefix-cache hit
+        on a freed block keeps its contents), so the free xor referenced invariant holds.
+        """
+        blocks = list(blocks)
+        for block in blocks:
+            self._check_owned(block)
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; a block reaching 0 goes to the queue's tail.
+
+        Validates the whole list before changing anything: dropping more references than
+        a block has (including freeing a free block) raises ValueError and frees nothing.
+        Pass the blocks in the order they should be evicted (first in, first reused).
+        """
+        blocks = list(blocks)
+        drops: dict[int, int] = {}  # id(block) -> references to drop
+        for block in blocks:
+            self._check_owned(block)
+            drops[id(block)] = drops.get(id(block), 0) + 1
+            if drops[id(block)] > block.ref_count:
+                raise ValueError(
+                    f"freeing block {block.block_id} more times than its ref_count "
+                    f"{block.ref_count}")
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    def _check_owned(self, block: KVCacheBlock) -> None:
+        if block is self.null_block:
+            raise ValueError("the null block is never referenced nor freed")
+        if not 0 <= block.block_id < self.num_blocks or self.blocks[block.block_id] is not block:
+            raise ValueError(f"block {block.block_id} does not belong to this pool")
+
+    def check_invariants(self) -> list[str]:
+        """Problems with the free queue and the free xor referenced rule (empty if none).
+
+        Reference counts against block tables are the block manager's to check.
+        """
+        met, problems = self.free_queue.walk()
+        in_queue = {id(b) for b in met}
+        if self.null_block is not None:
+            if id(self.null_block) in in_queue or self.null_block.in_free_queue:
+                problems.append("the null block is in the free queue")
+            if self.null_block.ref_count != 0:
+                problems.append(f"the null block has ref_count {self.null_block.ref_count}")
+        for block in met:
+            if not (0 <= block.block_id < self.num_blocks) or self.blocks[block.block_id] is not block:
+                problems.append(f"free queue holds foreign block {block.block_id}")
+        for block in self.blocks:
+            if block is self.null_block:
+                continue
+            free = id(block) in in_queue
+            if block.ref_count < 0:
+                problems.append(f"block {block.block_id} has ref_count {block.ref_count} < 0")
+            if free and block.ref_count != 0:
+                problems.append(
+                    f"block {block.block_id} is in the free queue with ref_count {block.ref_count}")
+            if not free and block.ref_count == 0:
+                problems.append(f"block {block.block_id} is neither free nor referenced")
+        return problems
