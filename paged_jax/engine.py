@@ -1,0 +1,222 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+For servers and research loops: `add_request`, `step`, `abort_request`,
+`has_unfinished_requests`, `stats`. It sizes the KV cache, owns the scheduler, block
+manager and runner, and turns sampled tokens into text and finish reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence as Seq
+
+import numpy as np
+
+from paged_jax.block_manager import BlockManager
+from paged_jax.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from paged_jax.engine_stats import EngineStats
+from paged_jax.kv_cache import bytes_per_block
+from paged_jax.loading import LoadedModel, load_model
+from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.runner import ModelRunner
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Scheduler
+from paged_jax.sequence import Sequence, SequenceStatus
+
+_GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    stop_ids: frozenset[int]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        self.config = _resolve(config, loaded)
+        block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.config.dtype)
+        num_host_blocks = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
+                                          num_host_blocks=num_host_blocks, watermark=self.config.watermark)
+        _check_capacity(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        params = loaded.params
+        self.runner = ModelRunner(self.model_config, params, self.config, num_blocks=self.config.num_blocks,
+                                  num_host_blocks=num_host_blocks)
+        self.runner.warm_up()
+        self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
+        self._requests: dict[str, _Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._rng = np.random.default_rng(self.config.seed)
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> None:
+        """Queue a request. `prompt` is text, a list of token ids, or {"prompt_token_ids": [...]}.
+        Raises ValueError (and queues nothing) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
+                           prompt_token_ids=list(token_ids), sampling_params=params, arrival_time=now,
+                           seed=(base_seed + index * _GOLDEN) % 2**32)
+            self._next_seq_id += 1
+            seqs.append(seq)
+        self._requests[request_id] = _Request(request_id, text, list(token_ids), params, seqs,
+                                              params.all_stop_token_ids(self.model_config.eos_token_ids), now)
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks at once (unknown or finished ids: no-op)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._seqs.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one jitted step, and return the requests that moved or finished."""
+        host_start = time.perf_counter()
+        output = self.scheduler.schedule()
+        self.stats_tracker.record_schedule(output)
+        if output.is_empty:
+            return []
+        device_before = self.runner.device_seconds
+        tokens, logprobs = self.runner.execute(output, self._seqs)
+        now = time.monotonic()
+        touched = {}
+        for seq in self.scheduler.update(output, self._seqs, tokens, logprobs):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(seq, now)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        results = [self._output(r) for r in touched.values()]
+        for request in touched.values():
+            if all(s.status.finished for s in request.seqs):
+                del self._requests[request.request_id]
+                for seq in request.seqs:
+                    self._seqs.pop(seq.seq_id, None)
+        step_seconds = time.perf_counter() - host_start
+        self.stats_tracker.record_step(output, step_seconds, self.runner.device_seconds - device_before)
+        return results
+
+    def stats(self) -> dict:
+        return self.stats_tracker.as_dict()
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}}, got keys {sorted(prompt)}")
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def _validate_prompt(self, token_ids: Seq[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {limit}, so a prompt "
+                             f"may have at most {limit - 1} tokens (room for one generated token)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_stop(self, seq: Sequence, now: float) -> None:
+        request = self._requests[seq.request_id]
+        token = seq.output_token_ids[-1]
+        status = None
+        if token in request.stop_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif request.params.stop and self.tokenizer is not None:
+            text = self._decode(seq.output_token_ids)
+            hit = next((s for s in request.params.stop if s in text), None)
+            if hit is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, hit
+        if status is None and (len(seq.output_token_ids) >= request.params.max_tokens
+                               or seq.num_tokens >= self.config.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq, status)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = self._decode(seq.output_token_ids)
+            if isinstance(seq.stop_reason, str):
+                text = text[: text.index(seq.stop_reason)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.status.value if seq.status.finished else None,
+                logprobs=list(seq.output_logprobs) if request.params.logprobs is not None else None,
+                stop_reason=seq.stop_reason))
+        finished = all(s.status.finished for s in request.seqs)
+        first = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        finish = [s.finish_time for s in request.seqs if s.finish_time is not None]
+        metrics = {"arrival_time": request.arrival_time, "first_token_time": min(first) if first else None,
+                   "finish_time": max(finish) if finished and finish else None}
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             metrics)
+
+
+def _resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
+    """Fill the fields left None from the model: max_model_len and num_blocks."""
+    model_limit = loaded.config.max_position_embeddings
+    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        num_blocks = budget // bytes_per_block(loaded.config, config.block_size, config.dtype)
+    return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2))
+
+
+def _check_capacity(config: EngineConfig, bm: BlockManager) -> None:
+    """The cache must hold one max_model_len sequence (beyond the admission watermark),
+    or a long request could wait forever."""
+    fits_blocks = bm.num_usable_blocks - bm.watermark_blocks
+    if bm.num_blocks_needed(config.max_model_len) > fits_blocks:
+        raise ValueError(
+            f"the KV cache ({config.num_blocks} blocks of {config.block_size} tokens, {bm.watermark_blocks} kept "
+            f"free as watermark) cannot hold one sequence of max_model_len={config.max_model_len} tokens; the "
+            f"largest max_model_len that fits is {max(fits_blocks, 0) * config.block_size} (or raise "
+            "num_blocks / kv_cache_memory_bytes)")

@@ -1,0 +1,78 @@
+"""EngineConfig: every setting of the paged engine, frozen and validated.
+
+`LLM(model, **settings)` takes these fields as keywords. Fields left None are resolved
+against the model when the engine starts (`resolve`), so the resolved config records
+exactly what ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "reference")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], 1
+    while n < hi:
+        if n >= lo:
+            out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # device KV blocks incl. the null block; None: from the byte budget
+    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: 512 MiB
+    max_model_len: int | None = None  # prompt + output cap; None: min(model limit, 2048)
+    max_num_seqs: int = 32  # sequences per step
+    max_num_batched_tokens: int = 256  # tokens per step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
+    preemption_mode: str = "recompute"  # or "swap" (to host memory)
+    swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
+    attention_backend: str = "auto"  # "auto" | "reference" (the jnp gather + dense softmax)
+    dtype: str = "float32"  # parameters, activations and KV cache
+    seed: int = 0  # seeds requests that give none
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
+    seq_buckets: tuple[int, ...] | None = None  # padded batch sizes; None: powers of two to max_num_seqs
+    token_buckets: tuple[int, ...] | None = None  # padded token counts; None: powers of two (>= 8)
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.swap_space_bytes < 0 or not 0 <= self.watermark < 1:
+            raise ValueError("swap_space_bytes must be >= 0 and watermark in [0, 1)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token per step")
+        if self.seq_buckets is None:
+            object.__setattr__(self, "seq_buckets", _powers_of_two(1, self.max_num_seqs))
+        if self.token_buckets is None:
+            object.__setattr__(self, "token_buckets", _powers_of_two(8, self.max_num_batched_tokens))
+        object.__setattr__(self, "seq_buckets", tuple(sorted(set(self.seq_buckets))))
+        object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
+        if self.seq_buckets[-1] < self.max_num_seqs or self.token_buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError("the largest seq/token bucket must cover max_num_seqs/max_num_batched_tokens")
+
+    @property
+    def attention(self) -> str:
+        """The backend that runs: "auto" picks the reference until the Pallas kernels land."""
+        return "reference" if self.attention_backend == "auto" else self.attention_backend

@@ -1,0 +1,58 @@
+"""Running figures of an engine: KV utilization, preemptions, compilations, step times.
+
+KV utilization is tokens held / token slots allocated on the device, sampled after each
+step's allocation and averaged over steps (the paper's measure of memory waste: with
+paging only each sequence's last block is partly empty).
+"""
+
+from __future__ import annotations
+
+
+class EngineStats:
+    def __init__(self, block_manager, scheduler, runner):
+        self._bm, self._scheduler, self._runner = block_manager, scheduler, runner
+        self.num_steps = 0
+        self._utilization_sum = 0.0
+        self._utilization_steps = 0
+        self.host_seconds = 0.0  # scheduling, batch preparation, output processing
+        self.device_seconds = 0.0  # inside the jitted step and swaps
+        self.num_batched_tokens = 0
+        self.num_batched_seqs = 0
+        self.max_batched_seqs = 0
+        self._compilations_at_warm_up = runner.num_compilations
+
+    def record_schedule(self, output) -> None:
+        slots = self._bm.num_slots_allocated()
+        if slots:
+            self._utilization_sum += self._bm.num_tokens_held() / slots
+            self._utilization_steps += 1
+
+    def record_step(self, output, step_seconds: float, device_seconds: float) -> None:
+        self.num_steps += 1
+        self.device_seconds += device_seconds
+        self.host_seconds += step_seconds - device_seconds
+        self.num_batched_tokens += output.num_batched_tokens
+        self.num_batched_seqs += len(output.chunks)
+        self.max_batched_seqs = max(self.max_batched_seqs, len(output.chunks))
+
+    def as_dict(self) -> dict:
+        bm, steps = self._bm, max(self.num_steps, 1)
+        return {
+            "num_blocks_total": bm.num_usable_blocks,
+            "num_blocks_free": bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "kv_utilization": self._utilization_sum / self._utilization_steps if self._utilization_steps else None,
+            "num_preemptions": self._scheduler.num_preemptions,
+            "num_compilations": self._runner.num_compilations,
+            "num_compilations_after_warm_up": self._runner.num_compilations - self._compilations_at_warm_up,
+            "num_steps": self.num_steps,
+            "num_running": len(self._scheduler.running),
+            "num_waiting": len(self._scheduler.waiting),
+            "num_swapped": len(self._scheduler.swapped),
+            "mean_batched_seqs": self.num_batched_seqs / steps,
+            "max_batched_seqs": self.max_batched_seqs,
+            "mean_batched_tokens": self.num_batched_tokens / steps,
+            "host_seconds_per_step": self.host_seconds / steps,
+            "device_seconds_per_step": self.device_seconds / steps,
+            "host_fraction": self.host_seconds / max(self.host_seconds + self.device_seconds, 1e-12),
+        }

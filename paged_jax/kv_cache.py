@@ -1,0 +1,52 @@
+"""The paged KV cache on device: sizing, K/V writes at slots, block copies, attention.
+
+Layout: {"k", "v"}, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+layer l's slice is the public per-layer layout the kernels take. Block 0 is the null
+block that padding points at. A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`; padded tokens carry slot
+`num_blocks * block_size`, which the scatter drops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from paged_jax.model_config import ModelConfig
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+
+class PagedMetadata(NamedTuple):
+    slot_mapping: jnp.ndarray  # i32[T]: cache slot of each new token; out of range = padding
+    block_tables: jnp.ndarray  # i32[S, max_blocks_per_seq], padded with the null block
+    context_lens: jnp.ndarray  # i32[S]: tokens in the cache after this step's writes
+    query_start_loc: jnp.ndarray  # i32[S + 1]: row i's tokens are [qsl[i], qsl[i+1])
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    """K and V of one block across all layers."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> dict:
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def copy_blocks(kv_cache: dict, src: jnp.ndarray, dst: jnp.ndarray) -> dict:
+    """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write). Padding entries
+    are (0, 0): the null block onto itself, a no-op."""
+    return {name: cache.at[:, dst].set(cache[:, src]) for name, cache in kv_cache.items()}
+
+
+def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None):
+    """The model's attention_fn for the paged cache: write K/V at the slots, then attend
+    through the block tables. q [T, Hq, D]; k, v [T, Hkv, D]."""
+    _, num_blocks, block_size = kv_cache["k"].shape[:3]
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new, mode="drop")
+                for name, new in (("k", k), ("v", v))}
+    out = ragged_paged_attention_reference(q, kv_cache["k"][layer], kv_cache["v"][layer], meta.block_tables,
+                                           meta.context_lens, meta.query_start_loc, sliding_window=sliding_window)
+    return out, kv_cache

@@ -1,0 +1,29 @@
+"""What generation returns, with vLLM's names so users' code carries over."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict | None = None  # arrival / first-token / finish times (seconds, time.monotonic)

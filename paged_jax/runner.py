@@ -1,0 +1,135 @@
+"""ModelRunner: the one place that crosses the host/device border.
+
+It owns the device KV cache and the host swap space, turns each SchedulerOutput into a
+padded BatchInputs (numpy), and runs one jitted step per (seq, token) bucket with the
+cache donated: copy-on-write block copies, the model over the new tokens (K/V written
+at their slots, attention through the block tables), logits for each row's last token,
+and sampling with per-row parameters. Every bucket compiles at warm-up; a counter
+incremented at trace time proves nothing compiles afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import kv_cache as kvc
+from paged_jax.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
+from paged_jax.engine_config import EngineConfig
+from paged_jax.model import Params, compute_logits, forward
+from paged_jax.model_config import ModelConfig
+from paged_jax.sampling import sample_tokens
+from paged_jax.scheduler_output import SchedulerOutput
+from paged_jax.sequence import Sequence
+
+SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
+                 num_host_blocks: int):
+        self.model_config = model_config
+        self.config = config
+        self.params = params
+        self.num_blocks = num_blocks
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.max_copies = config.max_num_seqs
+        dtype = jnp.dtype(config.dtype)
+        self.kv_cache = kvc.init_kv_cache(model_config, num_blocks, config.block_size, dtype)
+        host_shape = (model_config.num_layers, num_host_blocks, config.block_size, model_config.num_kv_heads,
+                      model_config.head_dim)
+        self.host_cache = {name: np.zeros(host_shape, dtype) for name in ("k", "v")}
+        self.num_compilations = 0  # traces of the step function (one per compiled shape)
+        self.device_seconds = 0.0  # wall time inside device calls (step and swaps)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,))
+        self._gather_blocks = jax.jit(self._gather_blocks_impl)
+
+    # ---- device functions -------------------------------------------------------------
+    def _step_impl(self, params, kv_cache, batch: BatchInputs):
+        self.num_compilations += 1  # runs only while tracing
+        cfg = self.model_config
+        kv_cache = kvc.copy_blocks(kv_cache, batch.copy_src, batch.copy_dst)
+        meta = kvc.PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
+        attention = functools.partial(kvc.paged_attention, sliding_window=cfg.sliding_window)
+        hidden, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, meta, attention)
+        logits = compute_logits(params, hidden[batch.logits_indices])
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
+        tokens = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+        return tokens, logprobs, kv_cache
+
+    @staticmethod
+    def _swap_in_impl(kv_cache, dst, k_blocks, v_blocks):
+        return {"k": kv_cache["k"].at[:, dst].set(k_blocks, mode="drop"),
+                "v": kv_cache["v"].at[:, dst].set(v_blocks, mode="drop")}
+
+    @staticmethod
+    def _gather_blocks_impl(kv_cache, src):
+        return kv_cache["k"][:, src], kv_cache["v"][:, src]
+
+    # ---- host API ---------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile every bucket now, so serving never waits on the compiler."""
+        for num_seqs, num_tokens in all_batch_shapes(self.config.seq_buckets, self.config.token_buckets):
+            batch = empty_batch(num_seqs, num_tokens, self.max_blocks_per_seq, self.max_copies,
+                                self.num_blocks * self.config.block_size)
+            tokens, _, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+            tokens.block_until_ready()
+        if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
+            null = np.zeros(SWAP_CHUNK, np.int32)
+            jax.block_until_ready(self._gather_blocks(self.kv_cache, null))
+            self._swap_in_blocks(np.full(SWAP_CHUNK, self.num_blocks, np.int32), null)
+
+    def execute(self, output: SchedulerOutput, seqs: Mapping[int, Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """Run one scheduled step; returns (sampled token per chunk, its logprob)."""
+        if output.swap_out:
+            self._do_swap_out(output.swap_out)
+        if output.swap_in:
+            self._do_swap_in(output.swap_in)
+        batch = prepare_batch(output, seqs, block_size=self.config.block_size, num_blocks=self.num_blocks,
+                              max_blocks_per_seq=self.max_blocks_per_seq, seq_buckets=self.config.seq_buckets,
+                              token_buckets=self.config.token_buckets, max_copies=self.max_copies)
+        start = time.perf_counter()
+        tokens, logprobs, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self.device_seconds += time.perf_counter() - start
+        n = len(output.chunks)
+        return tokens[:n], logprobs[:n]
+
+    def _do_swap_out(self, pairs) -> None:
+        """Device blocks -> host blocks, SWAP_CHUNK at a time (one compiled shape)."""
+        start = time.perf_counter()
+        for chunk in _chunks(pairs):
+            src = np.zeros(SWAP_CHUNK, np.int32)
+            src[: len(chunk)] = [d for d, _ in chunk]
+            k, v = self._gather_blocks(self.kv_cache, src)
+            host = [h for _, h in chunk]
+            self.host_cache["k"][:, host] = np.asarray(k)[:, : len(chunk)]
+            self.host_cache["v"][:, host] = np.asarray(v)[:, : len(chunk)]
+        self.device_seconds += time.perf_counter() - start
+
+    def _do_swap_in(self, pairs) -> None:
+        """Host blocks -> device blocks, SWAP_CHUNK at a time."""
+        start = time.perf_counter()
+        for chunk in _chunks(pairs):
+            dst = np.full(SWAP_CHUNK, self.num_blocks, np.int32)  # out of range: dropped
+            dst[: len(chunk)] = [d for _, d in chunk]
+            src = np.zeros(SWAP_CHUNK, np.int32)
+            src[: len(chunk)] = [h for h, _ in chunk]
+            self._swap_in_blocks(dst, src)
+        self.device_seconds += time.perf_counter() - start
+
+    def _swap_in_blocks(self, dst: np.ndarray, host_src: np.ndarray) -> None:
+        self.kv_cache = self._swap_in(self.kv_cache, dst, self.host_cache["k"][:, host_src],
+                                      self.host_cache["v"][:, host_src])
+
+
+def _chunks(pairs):
+    pairs = list(pairs)
+    return [pairs[i:i + SWAP_CHUNK] for i in range(0, len(pairs), SWAP_CHUNK)]

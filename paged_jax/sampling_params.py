@@ -1,0 +1,62 @@
+"""SamplingParams: what a request asks of generation, with vLLM's names and defaults.
+
+Pure Python and validated on construction, so a bad request is refused before it
+touches the engine (and the engine stays usable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt (parallel sampling shares the prompt's blocks)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely); 0 = off
+    seed: int | None = None  # per-request seed: the stream depends only on (seed, token index)
+    max_tokens: int = 16  # new tokens at most
+    stop: tuple[str, ...] | None = None  # stop strings (not included in the text)
+    stop_token_ids: tuple[int, ...] | None = None  # extra stop tokens besides EOS
+    ignore_eos: bool = False  # keep generating past EOS
+    logprobs: int | None = None  # return the chosen token's logprob (and top-k later); None = off
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+            if any(not isinstance(s, str) or not s for s in self.stop):
+                raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def all_stop_token_ids(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
+        """Token ids that end a completion: EOS (unless ignore_eos) plus stop_token_ids."""
+        ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return frozenset(ids)
