@@ -27,6 +27,11 @@ from paged_jax.sequence import Sequence, SequenceStatus
 _GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
 
 
+def completion_seed(request_seed: int, index: int) -> int:
+    """The seed of completion `index` of a request: its stream depends on nothing else."""
+    return (request_seed + index * _GOLDEN) % 2**32
+
+
 @dataclasses.dataclass
 class _Request:
     request_id: str
@@ -78,7 +83,7 @@ class LLMEngine:
         for index in range(params.n):
             seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
                            prompt_token_ids=list(token_ids), sampling_params=params, arrival_time=now,
-                           seed=(base_seed + index * _GOLDEN) % 2**32)
+                           seed=completion_seed(base_seed, index))
             self._next_seq_id += 1
             seqs.append(seq)
         self._requests[request_id] = _Request(request_id, text, list(token_ids), params, seqs,
