@@ -7,6 +7,10 @@ paging only each sequence's last block is partly empty).
 
 from __future__ import annotations
 
+import collections
+
+STEP_LOG_LENGTH = 10_000  # recent steps kept for per-step analysis
+
 
 class EngineStats:
     def __init__(self, block_manager, scheduler, runner):
@@ -20,6 +24,8 @@ class EngineStats:
         self.num_batched_seqs = 0
         self.max_batched_seqs = 0
         self._compilations_at_warm_up = runner.num_compilations
+        # (num_seqs, num_tokens, host_seconds, device_seconds) of recent steps
+        self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG_LENGTH)
 
     def record_schedule(self, output) -> None:
         slots = self._bm.num_slots_allocated()
@@ -34,6 +40,8 @@ class EngineStats:
         self.num_batched_tokens += output.num_batched_tokens
         self.num_batched_seqs += len(output.chunks)
         self.max_batched_seqs = max(self.max_batched_seqs, len(output.chunks))
+        self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
+                              device_seconds))
 
     def as_dict(self) -> dict:
         bm, steps = self._bm, max(self.num_steps, 1)

@@ -1,0 +1,113 @@
+"""Engine figures from one run: KV utilization on a ShareGPT-like trace, and host overhead.
+
+    python -m experiments.engine_metrics                     # both, defaults below
+    python -m experiments.engine_metrics --measure=utilization --num_requests=64
+
+utilization: --num_requests ShareGPT-like requests (all at t=0, EOS ignored so output
+  lengths are the trace's) through the paged engine at --block_size; reports the mean
+  over steps of tokens held / slots allocated. It depends only on lengths and block
+  size, so by default a random-weight model (--utilization_preset) runs it fast.
+host_overhead: --host_seqs requests decoding together on --model; reports scheduler +
+  block manager + batch preparation + output processing time per step, against the
+  jitted step's time, over the steps that ran exactly --host_seqs decodes.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from absl import app, flags
+
+_MEASURE = flags.DEFINE_enum("measure", "both", ["both", "utilization", "host_overhead"], "What to measure.")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model for the host-overhead run (any load_model source).")
+_UTIL_PRESET = flags.DEFINE_string("utilization_preset", "tiny_llama",
+                                   "configs preset run with random weights for the utilization run; "
+                                   "empty: use --model.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests in the utilization trace.")
+_SCALE = flags.DEFINE_float("scale", 1.0, "Length scale of the ShareGPT-like trace.")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 2048, "max_model_len of the utilization run.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step.")
+_HOST_SEQS = flags.DEFINE_integer("host_seqs", 32, "Concurrent decoding sequences in the host-overhead run.")
+_HOST_TOKENS = flags.DEFINE_integer("host_output_tokens", 48, "Tokens each host-overhead request generates.")
+_SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
+
+
+def _engine_model(preset: str, model: str, dtype: str = "float32"):
+    import dataclasses
+
+    import jax
+
+    import configs
+    from paged_jax.loading import LoadedModel, load_model
+    from paged_jax.model import init_params
+    if preset:
+        # random weights: lift the position limit so the trace's lengths fit
+        cfg = dataclasses.replace(configs.get_config(preset), max_position_embeddings=_MAX_MODEL_LEN.value)
+        return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, f"random:{preset}", "memory", 0.0)
+    return load_model(model, dtype=dtype)
+
+
+def _utilization() -> dict:
+    from experiments.workloads import make_trace
+    from paged_jax.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+    model = _engine_model(_UTIL_PRESET.value, _MODEL.value)
+    trace = make_trace("sharegpt", _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
+                       max_model_len=_MAX_MODEL_LEN.value, vocab_size=model.config.vocab_size)
+    llm = LLM(model, block_size=_BLOCK_SIZE.value, max_model_len=_MAX_MODEL_LEN.value,
+              max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=256)
+    llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace],
+                 [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace])
+    stats = llm.stats()
+    prompts = [len(r.prompt_token_ids) for r in trace]
+    outputs = [r.max_tokens for r in trace]
+    print(f"KV utilization {stats['kv_utilization']:.4f} over {stats['num_steps']} steps "
+          f"(mean prompt {statistics.mean(prompts):.0f}, mean output {statistics.mean(outputs):.0f})")
+    return {"model": model.source, "kv_utilization": round(stats["kv_utilization"], 4),
+            "num_steps": stats["num_steps"], "num_preemptions": stats["num_preemptions"],
+            "mean_prompt_tokens": statistics.mean(prompts), "mean_output_tokens": statistics.mean(outputs),
+            "mean_batched_seqs": round(stats["mean_batched_seqs"], 2),
+            "num_compilations_after_warm_up": stats["num_compilations_after_warm_up"]}
+
+
+def _host_overhead() -> dict:
+    import numpy as np
+
+    from paged_jax.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+    model = _engine_model("", _MODEL.value)
+    n = _HOST_SEQS.value
+    llm = LLM(model, block_size=_BLOCK_SIZE.value, max_model_len=256, max_num_seqs=n, max_num_batched_tokens=256)
+    rng = np.random.default_rng(_SEED.value)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, model.config.vocab_size, rng.integers(16, 48))]}
+               for _ in range(n)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=_HOST_TOKENS.value, ignore_eos=True))
+    decode = [(h, d) for seqs, toks, h, d in llm.engine.stats_tracker.step_log if seqs == n and toks == n]
+    host = statistics.mean(h for h, _ in decode)
+    device = statistics.mean(d for _, d in decode)
+    print(f"{len(decode)} decode steps at {n} sequences: host {host * 1e3:.2f} ms, device {device * 1e3:.1f} ms "
+          f"per step; host share {host / (host + device):.3f}")
+    return {"model": model.source, "num_seqs": n, "num_decode_steps": len(decode),
+            "host_ms_per_step": round(host * 1e3, 3), "device_ms_per_step": round(device * 1e3, 2),
+            "host_fraction_of_step": round(host / (host + device), 4),
+            "output_tokens_per_s_in_decode": round(n / (host + device), 1)}
+
+
+def main(argv):
+    del argv
+    from experiments.results_io import write_result
+    from paged_jax.compilation_cache import enable_compilation_cache
+    enable_compilation_cache()
+    figures = {}
+    if _MEASURE.value in ("both", "utilization"):
+        figures["utilization"] = _utilization()
+    if _MEASURE.value in ("both", "host_overhead"):
+        figures["host_overhead"] = _host_overhead()
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
+    print("wrote", write_result("engine_metrics", flags=flag_values, figures=figures, seed=_SEED.value))
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
