@@ -1,5 +1,27 @@
-"""paged_jax: PagedAttention and vLLM-style serving in JAX/Flax + Pallas."""
+"""paged_jax: PagedAttention and vLLM-style serving in JAX/Flax + Pallas.
 
-from paged_jax.model_config import ModelConfig, RopeScaling
+The public names load lazily, so `import paged_jax.block_manager` (pure Python) does
+not pull in JAX and transformers.
+"""
 
-__all__ = ["ModelConfig", "RopeScaling"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "paged_jax.llm",
+    "LLMEngine": "paged_jax.engine",
+    "EngineConfig": "paged_jax.engine_config",
+    "SamplingParams": "paged_jax.sampling_params",
+    "RequestOutput": "paged_jax.outputs",
+    "CompletionOutput": "paged_jax.outputs",
+    "ModelConfig": "paged_jax.model_config",
+    "RopeScaling": "paged_jax.model_config",
+    "load_model": "paged_jax.loading",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
