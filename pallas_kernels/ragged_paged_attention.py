@@ -74,7 +74,11 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, context_
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size)[None, :]
-    mask = (key_pos <= position[:, None]) & valid[:, None]
+    # slots past the context (table padding, the last block's tail) may hold anything, NaN
+    # included: mask them out of the scores and zero them in the values
+    in_context = key_pos < context_lens[seq][:, None]
+    values = jnp.where(in_context[:, :, None, None], values, 0)
+    mask = (key_pos <= position[:, None]) & valid[:, None] & in_context
     if sliding_window is not None:
         mask &= key_pos > position[:, None] - sliding_window
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)

@@ -71,3 +71,17 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="query_start_loc"):
         ragged_paged_attention_reference(q, cache[:, :, :2], cache[:, :, :2], np.zeros((1, 2), np.int32),
                                          np.array([1]), np.array([0, 1, 2]))
+
+
+def test_nan_outside_the_tables_does_not_leak():
+    from kernel_cases import edge_lengths, make_case
+    rng = np.random.default_rng(0)
+    lens = edge_lengths(8, 40)
+    case = make_case(rng, context_lens=lens, q_lens=[min(n, 3) for n in lens], num_heads=4, num_kv_heads=2,
+                     head_dim=8, block_size=8, max_blocks_per_seq=5, num_padding_tokens=2)
+    got = np.asarray(ragged_paged_attention_reference(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                                      case.context_lens, case.query_start_loc))
+    assert np.isfinite(got).all()
+    clean = [np.nan_to_num(a) for a in (case.k_cache, case.v_cache)]
+    want = _numpy_oracle(case.q, *clean, case.block_tables, case.context_lens, case.query_start_loc)
+    np.testing.assert_allclose(got, want, atol=1e-5)

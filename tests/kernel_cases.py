@@ -1,0 +1,55 @@
+"""Random paged-attention inputs for kernel tests, shared by the decode and ragged suites.
+
+Block tables are random permutations over a pool much larger than the batch needs, and
+every block no table uses is filled with NaN: a kernel that reads outside a sequence's
+table (or past its context) produces NaN and fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class PagedCase:
+    q: np.ndarray  # [num_tokens, num_heads, head_dim] (decode: num_tokens == num_seqs)
+    k_cache: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: np.ndarray
+    block_tables: np.ndarray  # i32[num_seqs, max_blocks_per_seq]
+    context_lens: np.ndarray  # i32[num_seqs]
+    query_start_loc: np.ndarray  # i32[num_seqs + 1]
+
+
+def edge_lengths(block_size: int, max_len: int) -> list[int]:
+    """Context lengths at the edges: 0, 1, B-1, B, B+1 and the maximum."""
+    return sorted({min(n, max_len) for n in (0, 1, max(block_size - 1, 1), block_size, block_size + 1, max_len)})
+
+
+def make_case(rng: np.random.Generator, *, context_lens, q_lens=None, num_heads: int, num_kv_heads: int,
+              head_dim: int, block_size: int, max_blocks_per_seq: int, dtype=np.float32,
+              pool_factor: int = 3, num_padding_tokens: int = 0) -> PagedCase:
+    """A batch with the given context lengths; q_lens None means decode (one query per
+    sequence, zero for empty sequences). Unused blocks and table padding hold NaN."""
+    context_lens = np.asarray(context_lens, np.int32)
+    num_seqs = len(context_lens)
+    if q_lens is None:
+        q_lens = np.minimum(context_lens, 1)
+    q_lens = np.asarray(q_lens, np.int32)
+    assert np.all(q_lens <= context_lens)
+    num_blocks = 1 + pool_factor * num_seqs * max_blocks_per_seq
+    k = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    ids = rng.permutation(np.arange(1, num_blocks))[: num_seqs * max_blocks_per_seq]
+    tables = ids.reshape(num_seqs, max_blocks_per_seq).astype(np.int32)
+    for i, n in enumerate(context_lens):
+        used = -(-int(n) // block_size)
+        for j in range(used):
+            rows = min(block_size, int(n) - j * block_size)  # the last block is partly filled
+            k[tables[i, j], :rows] = rng.normal(size=(rows, num_kv_heads, head_dim))
+            v[tables[i, j], :rows] = rng.normal(size=(rows, num_kv_heads, head_dim))
+        tables[i, used:] = rng.integers(1, num_blocks, max_blocks_per_seq - used)  # junk past the end
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.normal(size=(int(qsl[-1]) + num_padding_tokens, num_heads, head_dim))
+    return PagedCase(q.astype(dtype), k.astype(dtype), v.astype(dtype), tables, context_lens, qsl)
