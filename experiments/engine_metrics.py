@@ -10,6 +10,9 @@ utilization: --num_requests ShareGPT-like requests (all at t=0, EOS ignored so o
 host_overhead: --host_seqs requests decoding together on --model; reports scheduler +
   block manager + batch preparation + output processing time per step, against the
   jitted step's time, over the steps that ran exactly --host_seqs decodes.
+attention_backends: the same 32 requests (prompts 50..400 tokens, 32 new tokens each,
+  max_model_len 1024) on --model with attention_backend "reference" and "pallas"; reports
+  end-to-end output tokens/s of each (what `attention_backend="auto"` is chosen by).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import statistics
 
 from absl import app, flags
 
-_MEASURE = flags.DEFINE_enum("measure", "both", ["both", "utilization", "host_overhead"], "What to measure.")
+_MEASURE = flags.DEFINE_enum("measure", "both", ["both", "utilization", "host_overhead", "attention_backends"],
+                             "What to measure (both = utilization and host_overhead).")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model for the host-overhead run (any load_model source).")
 _UTIL_PRESET = flags.DEFINE_string("utilization_preset", "tiny_llama",
                                    "configs preset run with random weights for the utilization run; "
@@ -94,6 +98,33 @@ def _host_overhead() -> dict:
             "output_tokens_per_s_in_decode": round(n / (host + device), 1)}
 
 
+def _attention_backends() -> dict:
+    import time
+
+    import numpy as np
+
+    from paged_jax.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+    model = _engine_model("", _MODEL.value)
+    rng = np.random.default_rng(_SEED.value)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, model.config.vocab_size, rng.integers(50, 400))]}
+               for _ in range(32)]
+    figures = {}
+    for backend in ("reference", "pallas"):
+        llm = LLM(model, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256, attention_backend=backend)
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stats = llm.stats()
+        figures[backend] = {"seconds": round(seconds, 2), "output_tokens_per_s": round(32 * 32 / seconds, 2),
+                            "device_ms_per_step": round(stats["device_seconds_per_step"] * 1e3, 1),
+                            "num_steps": stats["num_steps"]}
+        print(f"{backend:>9}: {seconds:.1f} s, {32 * 32 / seconds:.1f} output tok/s")
+    figures["pallas_speedup"] = round(figures["reference"]["seconds"] / figures["pallas"]["seconds"], 2)
+    figures["model"] = model.source
+    return figures
+
+
 def main(argv):
     del argv
     from experiments.results_io import write_result
@@ -104,8 +135,11 @@ def main(argv):
         figures["utilization"] = _utilization()
     if _MEASURE.value in ("both", "host_overhead"):
         figures["host_overhead"] = _host_overhead()
+    if _MEASURE.value == "attention_backends":
+        figures["attention_backends"] = _attention_backends()
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
-    print("wrote", write_result("engine_metrics", flags=flag_values, figures=figures, seed=_SEED.value))
+    name = "engine_attention_backends" if _MEASURE.value == "attention_backends" else "engine_metrics"
+    print("wrote", write_result(name, flags=flag_values, figures=figures, seed=_SEED.value))
 
 
 if __name__ == "__main__":

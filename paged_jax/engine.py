@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Sequence as Seq
 
+import jax
 import numpy as np
 
 from paged_jax.block_manager import BlockManager
@@ -23,6 +24,7 @@ from paged_jax.runner import ModelRunner
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler
 from paged_jax.sequence import Sequence, SequenceStatus
+from pallas_kernels.dispatch import auto_attention_backend
 
 _GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
 
@@ -203,7 +205,8 @@ class LLMEngine:
 
 
 def _resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
-    """Fill the fields left None from the model: max_model_len and num_blocks."""
+    """Fill what was left open from the model and the platform: max_model_len,
+    num_blocks, and the attention backend behind "auto"."""
     model_limit = loaded.config.max_position_embeddings
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
@@ -212,7 +215,11 @@ def _resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     if num_blocks is None:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
         num_blocks = budget // bytes_per_block(loaded.config, config.block_size, config.dtype)
-    return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2))
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = auto_attention_backend(jax.default_backend())
+    return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
+                               attention_backend=backend)
 
 
 def _check_capacity(config: EngineConfig, bm: BlockManager) -> None:

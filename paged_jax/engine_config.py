@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
 
@@ -35,7 +35,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
-    attention_backend: str = "auto"  # "auto" | "reference" (the jnp gather + dense softmax)
+    attention_backend: str = "auto"  # "pallas" kernel | "reference" jnp | "auto": per platform, measured
     dtype: str = "float32"  # parameters, activations and KV cache
     seed: int = 0  # seeds requests that give none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
@@ -71,8 +71,3 @@ class EngineConfig:
         object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         if self.seq_buckets[-1] < self.max_num_seqs or self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError("the largest seq/token bucket must cover max_num_seqs/max_num_batched_tokens")
-
-    @property
-    def attention(self) -> str:
-        """The backend that runs: "auto" picks the reference until the Pallas kernels land."""
-        return "reference" if self.attention_backend == "auto" else self.attention_backend

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from paged_jax.model_config import ModelConfig
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 
 class PagedMetadata(NamedTuple):
@@ -40,13 +40,15 @@ def copy_blocks(kv_cache: dict, src: jnp.ndarray, dst: jnp.ndarray) -> dict:
     return {name: cache.at[:, dst].set(cache[:, src]) for name, cache in kv_cache.items()}
 
 
-def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None):
+def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None, backend="reference"):
     """The model's attention_fn for the paged cache: write K/V at the slots, then attend
-    through the block tables. q [T, Hq, D]; k, v [T, Hkv, D]."""
+    through the block tables with the Pallas kernel (backend "pallas") or the jnp
+    reference ("reference"). q [T, Hq, D]; k, v [T, Hkv, D]."""
     _, num_blocks, block_size = kv_cache["k"].shape[:3]
     blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
     kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new, mode="drop")
                 for name, new in (("k", k), ("v", v))}
-    out = ragged_paged_attention_reference(q, kv_cache["k"][layer], kv_cache["v"][layer], meta.block_tables,
-                                           meta.context_lens, meta.query_start_loc, sliding_window=sliding_window)
+    attend = {"pallas": ragged_paged_attention, "reference": ragged_paged_attention_reference}[backend]
+    out = attend(q, kv_cache["k"][layer], kv_cache["v"][layer], meta.block_tables, meta.context_lens,
+                 meta.query_start_loc, sliding_window=sliding_window)
     return out, kv_cache

@@ -33,6 +33,8 @@ SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-u
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int):
+        if config.attention_backend not in ("pallas", "reference"):
+            raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         self.model_config = model_config
         self.config = config
         self.params = params
@@ -56,7 +58,8 @@ class ModelRunner:
         cfg = self.model_config
         kv_cache = kvc.copy_blocks(kv_cache, batch.copy_src, batch.copy_dst)
         meta = kvc.PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
-        attention = functools.partial(kvc.paged_attention, sliding_window=cfg.sliding_window)
+        attention = functools.partial(kvc.paged_attention, sliding_window=cfg.sliding_window,
+                                      backend=self.config.attention_backend)
         hidden, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, meta, attention)
         logits = compute_logits(params, hidden[batch.logits_indices])
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)

@@ -8,7 +8,6 @@ enough that preemption (by recompute and by swap) happens many times.
 import random
 
 import jax
-import numpy as np
 import pytest
 
 import configs
@@ -69,21 +68,23 @@ def _assert_matches(model, trace, expected, outputs):
         assert_greedy_match(prompt, want, out.outputs[0].token_ids, logits)
 
 
-# (block_size, blocks in the pool, chunked prefill, preemption mode, token budget)
+# (block_size, blocks in the pool, chunked prefill, preemption mode, token budget, attention)
 CASES = [
-    pytest.param(16, 400, True, "recompute", 64, id="bs16-roomy-chunked"),
-    pytest.param(1, 1100, True, "recompute", 64, id="bs1-tight-chunked-recompute"),
-    pytest.param(8, 110, False, "swap", 512, id="bs8-tight-whole-prefill-swap"),
-    pytest.param(16, 60, True, "swap", 96, id="bs16-tight-chunked-swap"),
-    pytest.param(32, 30, False, "recompute", 512, id="bs32-tight-whole-prefill-recompute"),
+    pytest.param(16, 400, True, "recompute", 64, "reference", id="bs16-roomy-chunked"),
+    pytest.param(1, 1100, True, "recompute", 64, "reference", id="bs1-tight-chunked-recompute"),
+    pytest.param(8, 110, False, "swap", 512, "reference", id="bs8-tight-whole-prefill-swap"),
+    pytest.param(16, 60, True, "swap", 96, "reference", id="bs16-tight-chunked-swap"),
+    pytest.param(32, 30, False, "recompute", 512, "reference", id="bs32-tight-whole-prefill-recompute"),
+    pytest.param(16, 60, True, "swap", 96, "pallas", id="bs16-tight-chunked-swap-pallas"),
+    pytest.param(8, 110, False, "recompute", 512, "pallas", id="bs8-tight-whole-prefill-recompute-pallas"),
 ]
 
 
-@pytest.mark.parametrize("block_size, num_blocks, chunked, mode, budget", CASES)
-def test_greedy_equals_reference(model, trace, expected, block_size, num_blocks, chunked, mode, budget):
+@pytest.mark.parametrize("block_size, num_blocks, chunked, mode, budget, attention", CASES)
+def test_greedy_equals_reference(model, trace, expected, block_size, num_blocks, chunked, mode, budget, attention):
     outputs, stats = _run(model, trace, block_size=block_size, num_blocks=num_blocks,
                           enable_chunked_prefill=chunked, preemption_mode=mode, max_num_batched_tokens=budget,
-                          swap_space_bytes=64 * 2**20)
+                          swap_space_bytes=64 * 2**20, attention_backend=attention)
     _assert_matches(model, trace, expected, outputs)
     tight = num_blocks * block_size < 8 * MAX_MODEL_LEN  # fewer slots than 8 full sequences
     if tight:

@@ -7,7 +7,6 @@ with an 8-token sliding window exercises the window through the block tables.
 
 import random
 
-import numpy as np
 import pytest
 import torch
 import transformers
