@@ -8,6 +8,7 @@ table (or past its context) produces NaN and fails.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -53,3 +54,20 @@ def make_case(rng: np.random.Generator, *, context_lens, q_lens=None, num_heads:
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.normal(size=(int(qsl[-1]) + num_padding_tokens, num_heads, head_dim))
     return PagedCase(q.astype(dtype), k.astype(dtype), v.astype(dtype), tables, context_lens, qsl)
+
+
+def balanced_sample(num_cases: int, seed: int, **factors) -> list[dict]:
+    """num_cases combinations in which every value of every factor appears about equally
+    often (each factor's values repeated, then shuffled independently)."""
+    rng = np.random.default_rng(seed)
+    columns = {}
+    for name, values in factors.items():
+        repeated = list(itertools.islice(itertools.cycle(values), num_cases))
+        columns[name] = [repeated[i] for i in rng.permutation(num_cases)]
+    return [{name: columns[name][i] for name in factors} for i in range(num_cases)]
+
+
+def case_id(c: dict) -> str:
+    """A readable pytest id for a balanced_sample combination."""
+    return (f"s{c['num_seqs']}-g{c['group']}-d{c['head_dim']}-b{c['block_size']}"
+            f"{'-win' if c['window'] else ''}{'-cap' if c['cap'] else ''}-{np.dtype(c['dtype']).name}")

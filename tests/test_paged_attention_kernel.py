@@ -8,7 +8,6 @@ mode, and both lower for their platform through `jax.export`.
 """
 
 import functools
-import itertools
 import re
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import edge_lengths, make_case
+from kernel_cases import balanced_sample, case_id, edge_lengths, make_case
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 _DEFAULT_BACKEND = jax.default_backend()
@@ -115,25 +114,9 @@ def test_empty_sequences_give_zeros_from_an_all_nan_cache(interpret):
 # --------------------------------------------------------------- randomized comparisons
 
 
-def _balanced_sample(num_cases: int, seed: int, **factors):
-    """num_cases combinations in which every value of every factor appears about equally
-    often (each factor's values repeated, then shuffled independently)."""
-    rng = np.random.default_rng(seed)
-    columns = {}
-    for name, values in factors.items():
-        repeated = list(itertools.islice(itertools.cycle(values), num_cases))
-        columns[name] = [repeated[i] for i in rng.permutation(num_cases)]
-    return [{name: columns[name][i] for name in factors} for i in range(num_cases)]
-
-
-_CASES = _balanced_sample(
+_CASES = balanced_sample(
     24, seed=7, num_seqs=list(range(1, 9)), group=[1, 2, 4, 7], head_dim=[64, 80, 128], block_size=[8, 16, 32, 64],
     window=[False, True], cap=[False, True], dtype=[np.float32, jnp.bfloat16])
-
-
-def _case_id(c):
-    return (f"s{c['num_seqs']}-g{c['group']}-d{c['head_dim']}-b{c['block_size']}"
-            f"{'-win' if c['window'] else ''}{'-cap' if c['cap'] else ''}-{np.dtype(c['dtype']).name}")
 
 
 def _case_inputs(index, c, *, num_kv_heads=2):
@@ -149,7 +132,7 @@ def _case_inputs(index, c, *, num_kv_heads=2):
 
 
 @pytest.mark.parametrize("interpret", [_DEFAULT_MODE])
-@pytest.mark.parametrize("index", range(len(_CASES)), ids=[_case_id(c) for c in _CASES])
+@pytest.mark.parametrize("index", range(len(_CASES)), ids=[case_id(c) for c in _CASES])
 def test_kernel_matches_reference(index, interpret):
     c = _CASES[index]
     inputs, kwargs = _case_inputs(index, c)
@@ -157,7 +140,7 @@ def test_kernel_matches_reference(index, interpret):
 
 
 @pytest.mark.parametrize("interpret", [_mode("gpu")])
-@pytest.mark.parametrize("index", range(0, len(_CASES), 3), ids=[_case_id(c) for c in _CASES[::3]])
+@pytest.mark.parametrize("index", range(0, len(_CASES), 3), ids=[case_id(c) for c in _CASES[::3]])
 def test_triton_layout_matches_reference(index, interpret):
     """The program Triton gets (group rows padded to a power of two >= 16, head_dim to a
     power of two with masked loads), in interpret mode unless a GPU is present."""
