@@ -16,7 +16,7 @@ $(VENV)/.runtime-installed: pyproject.toml
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.runtime-installed
-	# torch stays pinned to the CPU build on disk (an unpinned torch is a multi-GB CUDA download).
+	# torch==2.13.0 stays pinned: the CPU build on disk (unpinned, pip pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet -e '.[test]' 'torch==2.13.0'
 	touch $@
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 @dataclasses.dataclass
@@ -71,3 +74,22 @@ def case_id(c: dict) -> str:
     """A readable pytest id for a balanced_sample combination."""
     return (f"s{c['num_seqs']}-g{c['group']}-d{c['head_dim']}-b{c['block_size']}"
             f"{'-win' if c['window'] else ''}{'-cap' if c['cap'] else ''}-{np.dtype(c['dtype']).name}")
+
+
+DEFAULT_BACKEND = jax.default_backend()
+
+
+def mode(backend: str, *values, label: str = ""):
+    """pytest.param(*values, interpret) for a kernel of `backend`: native (marked gpu/tpu)
+    where that device is JAX's default backend, interpret mode otherwise."""
+    if backend in ("gpu", "tpu") and backend == DEFAULT_BACKEND:
+        return pytest.param(*values, False, id=label + "native", marks=getattr(pytest.mark, backend))
+    return pytest.param(*values, True, id=label + "interpret")
+
+
+# the default kernel (backend=None): interpret mode on CPU, Triton on a GPU, Mosaic on a TPU
+DEFAULT_MODE = mode(DEFAULT_BACKEND)
+
+TOLERANCE = {np.float32: dict(atol=2e-5, rtol=1e-5),
+              # bf16 inputs: the kernel rounds p to bf16 before p @ V and the output to bf16
+              jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}

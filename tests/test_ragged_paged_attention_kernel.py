@@ -18,28 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from kernel_cases import DEFAULT_BACKEND as _DEFAULT_BACKEND
+from kernel_cases import DEFAULT_MODE as _DEFAULT_MODE
+from kernel_cases import TOLERANCE as _TOLERANCE
 from kernel_cases import balanced_sample, case_id, edge_lengths, make_case
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from kernel_cases import mode as _mode
 from test_ragged_paged_attention_reference import _numpy_oracle
 
-_DEFAULT_BACKEND = jax.default_backend()
-
-
-def _mode(backend: str, *values, label: str = ""):
-    """pytest.param(*values, interpret) for a kernel of `backend`: native (marked gpu/tpu)
-    where that device is JAX's default backend, interpret mode otherwise."""
-    if backend in ("gpu", "tpu") and backend == _DEFAULT_BACKEND:
-        return pytest.param(*values, False, id=label + "native", marks=getattr(pytest.mark, backend))
-    return pytest.param(*values, True, id=label + "interpret")
-
-
-# the default kernel (backend=None): interpret mode on CPU, Triton on a GPU, Mosaic on a TPU
-_DEFAULT_MODE = _mode(_DEFAULT_BACKEND)
-
-_TOLERANCE = {np.float32: dict(atol=2e-5, rtol=1e-5),
-              # bf16 inputs: the kernel rounds p to bf16 before p @ V and the output to bf16
-              jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 
 def _args(case):
