@@ -12,12 +12,9 @@ File layout (DESIGN.md, "Kernels"):
     softmax), the ground truth; the ragged reference with one query per sequence.
   * `paged_attention_kernel`: one program per (sequence, kv head) computing the whole
     GQA group of query heads, a `lax.fori_loop` over the sequence's used blocks only. It
-    lowers to Triton on GPU and runs in interpret mode on CPU. (Measured on 2 CPU cores,
-    SmolLM2 shapes, 8-32 sequences of 512-2048 tokens: in interpret mode this grid costs
-    1.2-1.4x a single program that loops over sequences itself, and 0.6-1.5x the jnp
-    reference; its time does not grow with the cache size, so interpret mode does not
-    copy the whole-cache block per grid step. So CPU keeps the GPU kernel rather than a
-    layout of its own.)
+    lowers to Triton on GPU and runs in interpret mode on CPU, where this grid measured
+    1.2-1.4x a single looping program (SmolLM2 shapes, 2 cores) and its time does not
+    grow with the cache size: CPU keeps the GPU kernel rather than a layout of its own.
   * `paged_attention_tpu_kernel`: Mosaic TPU: block tables and context lengths
     scalar-prefetched into SMEM, the cache left in HBM (`pl.ANY`), each block's K/V copied
     into a double-buffered VMEM scratch by async DMA while the previous block computes.

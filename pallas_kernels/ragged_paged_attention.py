@@ -10,30 +10,24 @@ File layout (DESIGN.md, "Kernels"):
     block table, dense masked softmax), the ground truth and the engine's "reference"
     attention backend.
   * `ragged_paged_attention_kernel`: the Pallas kernel for CPU (interpret mode) and GPU
-    (Triton). Each sequence's query tokens are cut into tiles; a tile and a KV head (all
-    query heads of its GQA group) are a unit of work. For a unit the kernel walks the
-    sequence's block table `pages_per_chunk` pages at a time, only over the pages the
-    tile can see (from the sliding window's lower bound for its first token to the
-    causal bound of its last), with an online softmax in f32 (running max, running sum,
-    accumulator); gathered K/V never exceed one chunk. Two tilings of the same body:
+    (Triton). A unit of work is a tile of a sequence's query tokens and a KV head (its
+    whole GQA group); it walks the table `pages_per_chunk` pages at a time over only the
+    pages the tile can see (sliding-window start to causal end), with an f32 online
+    softmax; gathered K/V never exceed one chunk. Two tilings of the same body:
       - "gpu" (Triton): a program per (tile, KV head); group and head_dim padded to
         powers of two, at least 16 rows per dot, masked stores of the tile's rows.
       - "cpu" (interpret mode): one program that loops over every tile and does all KV
-        heads at once. Interpret mode pays per grid step (SmolLM2 shapes, 32 decode rows
-        at context 512: the gpu tiling's 120 steps take 19 ms in interpret mode, this
-        single program 5.7 ms, the jnp reference 6.3 ms). Decode rows get one-token
-        tiles, eight per loop step; longer chunks 64-token tiles.
+        heads at once: interpret mode pays per grid step (32 decode rows at context 512:
+        the gpu tiling 19 ms, this program 5.7 ms, the jnp reference 6.3 ms).
   * `ragged_paged_attention_tpu.py` (its own file): Mosaic TPU: tiles and block tables
     scalar-prefetched into SMEM, the cache left in HBM (`pl.ANY`), each page's K/V
     copied into a double-buffered VMEM scratch by async DMA while the previous page
     computes, the tile's output written back token by token.
   * `ragged_paged_attention`: the jitted public function; checks inputs, picks a backend.
 
-Invariants every variant keeps: keys at positions >= context_len (the tail of the last
-block, table padding) are masked out of the scores *and* zeroed in the values, and table
-entries past the context are never dereferenced, so unused cache slots may hold anything,
-NaN included. Tokens past query_start_loc[num_seqs] (padding) get zeros; a sequence with
-q_len 0 owns no token and costs nothing.
+Every variant masks keys past context_len out of the scores *and* zeroes them in the
+values, and never dereferences table entries past the context (unused slots may hold
+NaN). Padding tokens get zeros; a sequence with q_len 0 owns no token and costs nothing.
 """
 
 from __future__ import annotations
