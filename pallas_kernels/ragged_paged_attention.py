@@ -23,7 +23,6 @@ File layout (DESIGN.md, "Kernels"):
     scalar-prefetched into SMEM, the cache left in HBM (`pl.ANY`), each page's K/V
     copied into a double-buffered VMEM scratch by async DMA while the previous page
     computes, the tile's output written back token by token.
-  * `ragged_paged_attention`: the jitted public function; checks inputs, picks a backend.
 
 Every variant masks keys past context_len out of the scores *and* zeroes them in the
 values, and never dereferences table entries past the context (unused slots may hold
