@@ -6,6 +6,15 @@ sequences with reference counts and copy-on-write, and moves whole groups of seq
 to a host pool and back (swap preemption). It decides nothing: the scheduler asks
 `can_*` questions and then issues orders. Pure Python, no jax or numpy.
 
+Prefix caching (`enable_prefix_caching`). When a caller passes a sequence's tokens to
+`allocate_slots`, every block that becomes full is registered in the device pool under
+a chained hash of (parent block's hash, the block's token ids, extra keys), so equal
+prefixes give equal hashes. `find_cached_prefix` walks a new sequence's full blocks
+through that map, verifying each hit's key in full, and `allocate_slots(...,
+cached_blocks=hits)` makes them the head of its table; those tokens need no compute.
+Cached blocks whose last holder is gone stay in the free queue with their hash (LRU) and
+are evicted only when handed out for new contents.
+
 Copy orders. `allocate_slots`, `swap_out` and `swap_in` return `(src, dst)` block-id
 pairs that the runner must execute before the next forward pass. Executing them in the
 order the calls returned them is always correct. The usual batched order (swap-out, then
@@ -35,7 +44,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         _check_int("num_blocks", num_blocks, 2)  # the null block plus at least one usable
         _check_int("block_size", block_size, 1)
         _check_int("num_host_blocks", num_host_blocks, 0)
@@ -46,6 +55,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.watermark = watermark
+        self.enable_prefix_caching = enable_prefix_caching
         self._device = BlockPool(num_blocks, reserve_null_block=True)
         self._host = BlockPool(num_host_blocks, reserve_null_block=False)
         # Blocks to keep free when admitting new sequences or swapping in, so that the
@@ -54,6 +64,9 @@ class BlockManager:
         self._tables: dict[int, list[KVCacheBlock]] = {}  # seq id -> block table
         self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
         self._swapped: set[int] = set()  # seq ids whose tables refer to host blocks
+        # seq id -> chained hashes of its full blocks, in logical order (prefix caching)
+        self._hashes: dict[int, list[int]] = {}
+        self._extra_keys: dict[int, tuple] = {}  # seq id -> extra hash keys (e.g. an adapter)
 
     # ------------------------------------------------------------------ queries
 
@@ -117,15 +130,74 @@ class BlockManager:
         """Device blocks the device-resident tables would need if nothing were shared."""
         return sum(len(table) for _, table in self._device_tables())
 
+    @property
+    def num_blocks_cached(self) -> int:
+        """Device blocks registered in the prefix cache (held or free-but-reusable)."""
+        return len(self._device.cached)
+
+    @property
+    def num_evictions(self) -> int:
+        return self._device.num_evictions
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = ()) -> list[KVCacheBlock]:
+        """The longest run of cached blocks equal to the sequence's leading full blocks.
+
+        `tokens(start, end)` returns the sequence's token ids; only tokens before the last
+        one are looked up, so at least one token is left to compute (its logits are
+        needed). Returns [] when prefix caching is off.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVCacheBlock] = []
+        parent = None
+        for i in range((num_tokens - 1) // self.block_size):
+            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra_keys)
+            block = self._device.lookup(hash(key), key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.block_hash
+        return hits
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; returns how many were forgotten. Running sequences
+        keep their blocks (only future hits on them are lost)."""
+        return self._device.reset_cache()
+
+    def _cache_full_blocks(self, seq_id: int, tokens) -> None:
+        """Register the sequence's newly full blocks under their chained hashes."""
+        hashes = self._hashes.setdefault(seq_id, [])
+        table, extra = self._tables[seq_id], self._extra_keys.get(seq_id, ())
+        for i in range(len(hashes), self._num_tokens[seq_id] // self.block_size):
+            parent = hashes[-1] if hashes else None
+            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra)
+            block = table[i]  # registered already only if shared: then with this very key
+            hashes.append(block.block_hash if block.block_hash is not None
+                          else self._device.cache_block(block, key))
+
     # ------------------------------------------------------------------ admission and growth
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free."""
-        needed = self.num_blocks_needed(num_tokens)
+    def can_allocate(self, num_tokens: int, cached_blocks: list[KVCacheBlock] = ()) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free.
+
+        Cache hits need no new block, but a hit on a free cached block takes it out of
+        the free queue, so it counts against the free blocks like a new one.
+        """
+        needed = self.num_blocks_needed(num_tokens) - len(cached_blocks)
+        needed += sum(1 for b in cached_blocks if b.ref_count == 0)
         return self.num_free_blocks - needed >= self.watermark_blocks
 
-    def allocate_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None,
+                       cached_blocks: list[KVCacheBlock] = (),
+                       extra_keys: tuple = ()) -> list[tuple[int, int]] | None:
         """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
+
+        A new sequence may start from `cached_blocks` (from `find_cached_prefix`); with
+        prefix caching on and `tokens` given (`tokens(start, end)` -> token ids), the
+        blocks this call makes full are registered in the cache. `extra_keys` (new
+        sequences only) salt its hashes.
 
         Blocks are added only when the last one is full (on demand). If the sequence is
         about to write into a partly full last block that another table shares, that
@@ -136,6 +208,20 @@ class BlockManager:
         Shrinking is a ValueError; so is growing a swapped sequence.
         """
         _check_int("num_total_tokens", num_total_tokens, 0)
+        if cached_blocks:
+            if seq_id in self._tables:
+                raise ValueError(f"cached blocks can only start a new sequence; {seq_id} exists")
+            if len(cached_blocks) * self.block_size > num_total_tokens:
+                raise ValueError("cached blocks cover more tokens than asked for")
+            needed = self.num_blocks_needed(num_total_tokens) - len(cached_blocks)
+            if needed + sum(1 for b in cached_blocks if b.ref_count == 0) > self.num_free_blocks:
+                return None
+            self._device.incr_ref(cached_blocks)
+            self._tables[seq_id] = list(cached_blocks)
+            self._num_tokens[seq_id] = len(cached_blocks) * self.block_size
+            self._hashes[seq_id] = [b.block_hash for b in cached_blocks]
+        if seq_id not in self._tables and extra_keys:
+            self._extra_keys[seq_id] = tuple(extra_keys)
         table = self._tables.get(seq_id, [])
         if seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} is swapped out; swap it in before growing it")
@@ -158,6 +244,8 @@ class BlockManager:
         table.extend(self._device.get_new_blocks(num_new))
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_total_tokens
+        if self.enable_prefix_caching and tokens is not None:
+            self._cache_full_blocks(seq_id, tokens)
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -174,6 +262,10 @@ class BlockManager:
         self._device.incr_ref(parent)
         self._tables[child_id] = list(parent)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        if parent_id in self._hashes:
+            self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._extra_keys:
+            self._extra_keys[child_id] = self._extra_keys[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references (device or host side) and forget it.
@@ -186,6 +278,8 @@ class BlockManager:
         pool.free_blocks(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
         self._swapped.discard(seq_id)
+        self._hashes.pop(seq_id, None)
+        self._extra_keys.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 
@@ -204,10 +298,13 @@ class BlockManager:
         """
         return self._move(seq_ids, src=self._device, dst=self._host, to_host=True)
 
+    def num_swap_in_blocks(self, seq_ids: list[int]) -> int:
+        """Device blocks a swapped group takes back: its distinct host blocks."""
+        return len(self._group_blocks(seq_ids, swapped=True))
+
     def can_swap_in(self, seq_ids: list[int]) -> bool:
         """Whether the device can take the group back, leaving the watermark free."""
-        group = self._group_blocks(seq_ids, swapped=True)
-        return self.num_free_blocks - len(group) >= self.watermark_blocks
+        return self.num_free_blocks - self.num_swap_in_blocks(seq_ids) >= self.watermark_blocks
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move a swapped group back to device blocks; return `(host_id, device_id)` orders.

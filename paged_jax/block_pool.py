@@ -28,9 +28,13 @@ class KVCacheBlock:
     block_id: int
     # Number of block tables holding this block; 0 means the block is in the free queue.
     ref_count: int = 0
-    # Chained hash of the block's tokens, set once the block is full (prefix caching);
-    # None for a partial block. Carried only, until prefix caching lands.
+    # Chained hash of the block's tokens, set once the block is full and registered in
+    # the pool's prefix cache; None otherwise. Survives the block being freed (a freed
+    # cached block can still be hit) and is cleared when the block is handed out anew.
     block_hash: int | None = None
+    # What `block_hash` was computed from: (parent hash, token ids, extra keys). A cache
+    # hit compares it in full, so a hash collision can never serve wrong K/V.
+    block_key: tuple | None = field(default=None, repr=False)
     # Free-queue neighbours; both None exactly when the block is not in a free queue.
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
@@ -157,6 +161,10 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
         first_usable = 1 if reserve_null_block else 0
         self.free_queue = FreeBlockQueue(self.blocks[first_usable:])
+        # Prefix cache: block hash -> the one block registered under it. Entries live
+        # while the block is referenced or free-but-not-reused; `get_new_blocks` evicts.
+        self.cached: dict[int, KVCacheBlock] = {}
+        self.num_evictions = 0  # cached blocks reused for new contents
 
     @property
     def num_usable_blocks(self) -> int:
@@ -183,9 +191,44 @@ class BlockPool:
             block = self.free_queue.popleft()
             assert block.ref_count == 0, f"free block {block.block_id} has refs"
             block.ref_count = 1
-            block.block_hash = None
+            if block.block_hash is not None:  # LRU eviction from the prefix cache
+                self._uncache(block)
+                self.num_evictions += 1
             out.append(block)
         return out
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def cache_block(self, block: KVCacheBlock, block_key: tuple) -> int:
+        """Register a full, referenced block under `hash(block_key)`; returns the hash.
+
+        If another block already holds that key, the cache keeps the older one and this
+        block stays unregistered (it is still a valid block of its sequence).
+        """
+        self._check_owned(block)
+        if block.ref_count == 0 or block.block_hash is not None:
+            raise ValueError(f"block {block.block_id} must be referenced and not yet cached")
+        block_hash = hash(block_key)
+        if block_hash not in self.cached:
+            block.block_hash, block.block_key = block_hash, block_key
+            self.cached[block_hash] = block
+        return block_hash
+
+    def lookup(self, block_hash: int, block_key: tuple) -> KVCacheBlock | None:
+        """The cached block for this hash, if its key matches in full (else None)."""
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.block_key == block_key else None
+
+    def reset_cache(self) -> int:
+        """Forget every cached block (their contents stay until reused); returns how many."""
+        num = len(self.cached)
+        for block in list(self.cached.values()):
+            self._uncache(block)
+        return num
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = block.block_key = None
 
     def incr_ref(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block (a new table holds it).
@@ -254,4 +297,10 @@ class BlockPool:
                     f"block {block.block_id} is in the free queue with ref_count {block.ref_count}")
             if not free and block.ref_count == 0:
                 problems.append(f"block {block.block_id} is neither free nor referenced")
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash or hash(block.block_key) != block_hash:
+                problems.append(f"cached block {block.block_id} does not match its hash entry")
+        for block in self.blocks:
+            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+                problems.append(f"block {block.block_id} has a hash but is not in the cache")
         return problems

@@ -39,6 +39,8 @@ class EngineConfig:
     dtype: str = "float32"  # parameters, activations and KV cache
     seed: int = 0  # seeds requests that give none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
+    enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes across requests
+    max_logprobs: int = 20  # top-k logprobs each step returns (API logprobs; beam candidates)
     seq_buckets: tuple[int, ...] | None = None  # padded batch sizes; None: powers of two to max_num_seqs
     token_buckets: tuple[int, ...] | None = None  # padded token counts; None: powers of two (>= 8)
 
@@ -60,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.swap_space_bytes < 0 or not 0 <= self.watermark < 1:
             raise ValueError("swap_space_bytes must be >= 0 and watermark in [0, 1)")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 1:
+            raise ValueError(f"max_logprobs must be an int >= 1, got {self.max_logprobs!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token per step")

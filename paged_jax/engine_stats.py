@@ -3,6 +3,11 @@
 KV utilization is tokens held / token slots allocated on the device, sampled after each
 step's allocation and averaged over steps (the paper's measure of memory waste: with
 paging only each sequence's last block is partly empty).
+
+Sharing is measured the same way: each step, the blocks the device-resident block tables
+would need if nothing were shared (parallel samples, beams, prefix-cache hits) against
+the distinct blocks they hold; `sharing_savings` = 1 - held / needed-without-sharing,
+summed over steps (the paper's "memory saving" of Fig. 15 and 16).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ class EngineStats:
         self.num_steps = 0
         self._utilization_sum = 0.0
         self._utilization_steps = 0
+        self._blocks_without_sharing_sum = 0  # summed over steps
+        self._blocks_used_sum = 0
         self.host_seconds = 0.0  # scheduling, batch preparation, output processing
         self.device_seconds = 0.0  # inside the jitted step and swaps
         self.num_batched_tokens = 0
@@ -32,6 +39,8 @@ class EngineStats:
         if slots:
             self._utilization_sum += self._bm.num_tokens_held() / slots
             self._utilization_steps += 1
+        self._blocks_without_sharing_sum += self._bm.num_blocks_without_sharing()
+        self._blocks_used_sum += slots // self._bm.block_size
 
     def record_step(self, output, step_seconds: float, device_seconds: float) -> None:
         self.num_steps += 1
@@ -56,7 +65,17 @@ class EngineStats:
             "num_steps": self.num_steps,
             "num_running": len(self._scheduler.running),
             "num_waiting": len(self._scheduler.waiting),
-            "num_swapped": len(self._scheduler.swapped),
+            "num_swapped": self._scheduler.num_swapped,
+            "prefix_cache_query_tokens": self._scheduler.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": self._scheduler.prefix_cache_hit_tokens,
+            "num_blocks_cached": bm.num_blocks_cached,
+            "num_prefix_cache_evictions": bm.num_evictions,
+            "num_blocks_used": bm.num_slots_allocated() // bm.block_size,
+            "num_blocks_without_sharing": bm.num_blocks_without_sharing(),
+            "mean_blocks_used": self._blocks_used_sum / steps,
+            "mean_blocks_without_sharing": self._blocks_without_sharing_sum / steps,
+            "sharing_savings": (1 - self._blocks_used_sum / self._blocks_without_sharing_sum
+                                if self._blocks_without_sharing_sum else 0.0),
             "mean_batched_seqs": self.num_batched_seqs / steps,
             "max_batched_seqs": self.max_batched_seqs,
             "mean_batched_tokens": self.num_batched_tokens / steps,

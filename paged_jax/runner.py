@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,16 @@ from paged_jax.sequence import Sequence
 SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
 
 
+class StepResult(NamedTuple):
+    """Per scheduled chunk (row): what the step sampled and the next-token distribution's
+    head (beam search candidates and the API's top logprobs; raw logits, no temperature)."""
+
+    tokens: np.ndarray  # i32[rows]: the sampled token
+    logprobs: np.ndarray  # f32[rows]: its log-probability
+    top_ids: np.ndarray  # i32[rows, K]: the K most likely next tokens, best first
+    top_logprobs: np.ndarray  # f32[rows, K]: their log-probabilities
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int):
@@ -41,6 +51,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.max_copies = config.max_num_seqs
+        self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
         dtype = jnp.dtype(config.dtype)
         self.kv_cache = kvc.init_kv_cache(model_config, num_blocks, config.block_size, dtype)
         host_shape = (model_config.num_layers, num_host_blocks, config.block_size, model_config.num_kv_heads,
@@ -64,8 +75,10 @@ class ModelRunner:
         logits = compute_logits(params, hidden[batch.logits_indices])
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
         tokens = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
-        return tokens, logprobs, kv_cache
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+        top_logprobs, top_ids = jax.lax.top_k(log_probs, self.num_top_logprobs)  # beams and API logprobs
+        return StepResult(tokens, logprobs, top_ids, top_logprobs), kv_cache
 
     @staticmethod
     def _swap_in_impl(kv_cache, dst, k_blocks, v_blocks):
@@ -82,15 +95,15 @@ class ModelRunner:
         for num_seqs, num_tokens in all_batch_shapes(self.config.seq_buckets, self.config.token_buckets):
             batch = empty_batch(num_seqs, num_tokens, self.max_blocks_per_seq, self.max_copies,
                                 self.num_blocks * self.config.block_size)
-            tokens, _, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-            tokens.block_until_ready()
+            result, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+            result.tokens.block_until_ready()
         if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
             null = np.zeros(SWAP_CHUNK, np.int32)
             jax.block_until_ready(self._gather_blocks(self.kv_cache, null))
             self._swap_in_blocks(np.full(SWAP_CHUNK, self.num_blocks, np.int32), null)
 
-    def execute(self, output: SchedulerOutput, seqs: Mapping[int, Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """Run one scheduled step; returns (sampled token per chunk, its logprob)."""
+    def execute(self, output: SchedulerOutput, seqs: Mapping[int, Sequence]) -> StepResult:
+        """Run one scheduled step; returns what it sampled, one row per chunk."""
         if output.swap_out:
             self._do_swap_out(output.swap_out)
         if output.swap_in:
@@ -99,11 +112,11 @@ class ModelRunner:
                               max_blocks_per_seq=self.max_blocks_per_seq, seq_buckets=self.config.seq_buckets,
                               token_buckets=self.config.token_buckets, max_copies=self.max_copies)
         start = time.perf_counter()
-        tokens, logprobs, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        self.device_seconds += time.perf_counter() - start
+        result, self.kv_cache = self._step(self.params, self.kv_cache, batch)
         n = len(output.chunks)
-        return tokens[:n], logprobs[:n]
+        result = StepResult(*(np.asarray(a)[:n] for a in result))
+        self.device_seconds += time.perf_counter() - start
+        return result
 
     def _do_swap_out(self, pairs) -> None:
         """Device blocks -> host blocks, SWAP_CHUNK at a time (one compiled shape)."""

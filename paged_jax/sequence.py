@@ -44,6 +44,16 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    # Parallel sampling: the request's other completions, forked from this sequence (sharing
+    # its blocks) once all prompt tokens but the last are computed; each then computes the
+    # last prompt token itself and samples its own first token.
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
+    # Top-k (token id, logprob) alternatives of each sampled position, when asked for.
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # Beam search: this beam's next-token candidates from its last step, awaiting the
+    # request's other beams (the host picks the next beams once every beam has them).
+    beam_candidates: list[tuple[int, float]] | None = None
+    cumulative_logprob: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +71,12 @@ class Sequence:
         if start >= prompt_len:  # decode steps: no copy of the whole sequence per step
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose K/V this sequence should reach now: all, or, while completions wait
+        to be forked from it, all but the last (each fork computes that one itself)."""
+        return self.num_tokens - 1 if self.pending_forks else self.num_tokens
 
     @property
     def last_token_id(self) -> int:
