@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _f32(x: float) -> float:
@@ -53,7 +53,11 @@ def _is_int(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BeamSearchParams:
-    """What a beam-search request asks for, with vLLM's names."""
+    """What a beam-search request asks for, with vLLM's names.
+
+    beam_width=1 is allowed but is not transformers' num_beams=1 (that runs greedy
+    search, which stops at the first EOS; this keeps a spare beam past it).
+    """
 
     beam_width: int  # W: live beams per step, and hypotheses returned
     max_tokens: int  # new tokens at most per hypothesis (an EOS counts)
@@ -125,6 +129,11 @@ class BeamSearchState:
     def live_beams(self) -> list[tuple[tuple[int, ...], float]]:
         """(generated token ids, cum logprob) per live beam, in the order step() expects."""
         return list(self._live)
+
+    @property
+    def finished(self) -> list[BeamHypothesis]:
+        """The best hypotheses finished so far, best first (at most W; final once done)."""
+        return list(self._finished)
 
     def step(self, candidates: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, int]]:
         """Advance one token.

@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 PURE = ["paged_jax.block_pool", "paged_jax.block_manager", "paged_jax.scheduler", "paged_jax.scheduler_output",
-        "paged_jax.sequence", "paged_jax.sampling_params", "paged_jax.engine_config", "paged_jax.outputs"]
+        "paged_jax.sequence", "paged_jax.sampling_params", "paged_jax.engine_config", "paged_jax.outputs",
+        "paged_jax.beam_search"]
 
 
 def test_host_modules_do_not_import_jax_or_numpy():
