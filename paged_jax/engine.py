@@ -171,6 +171,8 @@ class LLMEngine:
         output = self.scheduler.schedule()
         self.stats_tracker.record_schedule(output)
         if output.is_empty:
+            if self.scheduler.has_unfinished():  # a step that schedules nothing changes nothing
+                raise RuntimeError(f"the scheduler cannot make progress: {self.stats()}")
             return []
         device_before = self.runner.device_seconds
         result = self.runner.execute(output, self._seqs)

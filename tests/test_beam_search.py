@@ -259,15 +259,11 @@ def test_matches_transformers_on_tiny_models(tmp_path, variant):
 
 
 @pytest.fixture(scope="module")
-def smollm2_both(smollm2_path):
-    import os
-
+def smollm2_both(smollm2_path, smollm2_hf):
     from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
     from paged_jax.loading.gguf_weights import load_gguf
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
     cfg, params = load_gguf(smollm2_path)
-    return hf.eval(), cfg, params, load_gguf_tokenizer(smollm2_path)
+    return smollm2_hf, cfg, params, load_gguf_tokenizer(smollm2_path)
 
 
 def test_matches_transformers_on_smollm2(smollm2_both):

@@ -65,11 +65,8 @@ def hf_tokenizer(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
-    return model.eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 def _chat_prompt(tokenizer, question):

@@ -60,3 +60,19 @@ def test_row_streams_depend_only_on_seed_and_step():
     assert jnp.array_equal(jax.random.key_data(a[0]), jax.random.key_data(b[1]))
     c = row_keys(jnp.array([7], jnp.uint32), 4)
     assert not jnp.array_equal(jax.random.key_data(a[0]), jax.random.key_data(c[0]))
+
+
+def test_a_rows_draw_does_not_depend_on_its_neighbours_filters():
+    """Unfiltered rows skip the vocabulary sort unless a filtered row is present; either
+    way an unfiltered row must draw the same token (and a filtered one likewise)."""
+    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    keys = row_keys(jnp.arange(4, dtype=jnp.uint32), 2)
+    temp = jnp.full(4, 0.9)
+    off = (jnp.zeros(4, jnp.int32), jnp.ones(4), jnp.zeros(4))
+    alone = sample_tokens(logits, temp, *off, keys)
+    mixed = sample_tokens(logits, temp, jnp.array([0, 5, 0, 0]), jnp.array([1.0, 1.0, 0.9, 1.0]),
+                          jnp.zeros(4), keys)
+    assert int(mixed[0]) == int(alone[0]) and int(mixed[3]) == int(alone[3])
+    only_filtered = sample_tokens(logits[1:3], temp[:2], jnp.array([5, 0]), jnp.array([1.0, 0.9]),
+                                  jnp.zeros(2), keys[1:3])
+    assert [int(t) for t in only_filtered] == [int(mixed[1]), int(mixed[2])]

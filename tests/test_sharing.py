@@ -175,7 +175,7 @@ def test_parallel_sampling_under_preemption(model, shared_prefix_trace):
 
 
 def test_group_that_cannot_fit_is_refused(model):
-    llm = _llm(model, num_blocks=20)
+    llm = _llm(model, num_blocks=40)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(n=4, max_tokens=100), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
