@@ -11,6 +11,8 @@ _EXPORTS = {
     "LLMEngine": "paged_jax.engine",
     "EngineConfig": "paged_jax.engine_config",
     "SamplingParams": "paged_jax.sampling_params",
+    "BeamSearchParams": "paged_jax.beam_search",
+    "BeamSearchOutput": "paged_jax.outputs",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
     "ModelConfig": "paged_jax.model_config",

@@ -162,8 +162,7 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block; returns how many were forgotten. Running sequences
-        keep their blocks (only future hits on them are lost)."""
+        """Forget every cached block (running sequences keep theirs); returns how many."""
         return self._device.reset_cache()
 
     def _cache_full_blocks(self, seq_id: int, tokens) -> None:
