@@ -35,10 +35,13 @@ def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = No
                  results_dir: str = RESULTS_DIR) -> str:
     """Write `results_dir/<name>.json` and return its path (one file per named run)."""
     os.makedirs(results_dir, exist_ok=True)
+    # the module that ran (`python -m experiments.X` puts X's path in argv[0]); the name
+    # need not be the module's (one script can write several records)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    module = script[:-3] if script.endswith(".py") else name.split(".")[0]
     record = {
         "name": name,
-        "command": " ".join([os.path.basename(sys.executable), "-m",
-                             f"experiments.{name.split('.')[0]}"] + sys.argv[1:]),
+        "command": " ".join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flags": flags,
         "seed": seed,

