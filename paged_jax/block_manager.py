@@ -108,23 +108,19 @@ class BlockManager:
         return self._num_tokens[seq_id]
 
     def num_tokens_held(self) -> int:
-        """Tokens stored in device blocks, counting each physical block once."""
-        held: dict[int, int] = {}  # block id -> tokens in it
+        """Tokens stored in device blocks, counting each physical block once: every held
+        block is full except a table's last one (shared only by forks, at the same fill)."""
+        fill: dict[int, int] = {}  # block id -> tokens in a partly full last block
         for seq_id, table in self._device_tables():
-            n = self._num_tokens[seq_id]
-            for i, block in enumerate(table):
-                tokens = min(self.block_size, n - i * self.block_size)
-                held[block.block_id] = max(held.get(block.block_id, 0), tokens)
-        return sum(held.values())
+            if self._num_tokens[seq_id] % self.block_size:
+                fill[table[-1].block_id] = self._num_tokens[seq_id] % self.block_size
+        return self.num_slots_allocated() - sum(self.block_size - f for f in fill.values())
 
     def num_slots_allocated(self) -> int:
-        """Token slots in device blocks held by some sequence (each block once).
-
-        num_tokens_held() / num_slots_allocated() is the KV-cache utilization metric:
-        the waste is at most block_size - 1 slots per distinct last block.
-        """
-        distinct = {b.block_id for _, table in self._device_tables() for b in table}
-        return len(distinct) * self.block_size
+        """Token slots in device blocks held by some sequence (each block once): O(1), as
+        every usable block is free xor held. num_tokens_held() / num_slots_allocated() is
+        the KV-cache utilization metric (waste: < block_size slots per last block)."""
+        return (self.num_usable_blocks - self.num_free_blocks) * self.block_size
 
     def num_blocks_without_sharing(self) -> int:
         """Device blocks the device-resident tables would need if nothing were shared."""
@@ -178,8 +174,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission and growth
 
-    def can_allocate(self, num_tokens: int, cached_blocks: list[KVCacheBlock] = ()) -> bool:
-        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free.
+    def can_allocate(self, num_tokens: int, cached_blocks: list[KVCacheBlock] = (), *, final_num_tokens=None) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free
+        (`final_num_tokens` is for contiguous allocators; ignored here).
 
         Cache hits need no new block, but a hit on a free cached block takes it out of
         the free queue, so it counts against the free blocks like a new one.
@@ -190,7 +187,7 @@ class BlockManager:
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None,
                        cached_blocks: list[KVCacheBlock] = (),
-                       extra_keys: tuple = ()) -> list[tuple[int, int]] | None:
+                       extra_keys: tuple = (), final_num_tokens=None) -> list[tuple[int, int]] | None:
         """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
 
         A new sequence may start from `cached_blocks` (from `find_cached_prefix`); with
