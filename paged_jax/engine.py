@@ -20,6 +20,7 @@ import numpy as np
 
 from paged_jax.beam_search import BeamSearchParams, BeamSearchState, num_candidates
 from paged_jax.block_manager import BlockManager
+from paged_jax.contiguous_allocator import ContiguousAllocator
 from paged_jax.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
 from paged_jax.engine_stats import EngineStats
 from paged_jax.kv_cache import bytes_per_block
@@ -67,9 +68,14 @@ class LLMEngine:
         self.config = _resolve(config, loaded)
         block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.config.dtype)
         num_host_blocks = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
-                                          num_host_blocks=num_host_blocks, watermark=self.config.watermark,
-                                          enable_prefix_caching=self.config.enable_prefix_caching)
+        if self.config.kv_allocator == "paged":
+            self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
+                                              num_host_blocks=num_host_blocks, watermark=self.config.watermark,
+                                              enable_prefix_caching=self.config.enable_prefix_caching)
+        else:  # a contiguous baseline behind the same interface (validated: recompute, no prefix caching)
+            self.block_manager = ContiguousAllocator(self.config.num_blocks, self.config.block_size,
+                                                     policy=self.config.kv_allocator,
+                                                     max_model_len=self.config.max_model_len)
         _check_capacity(self.config, self.block_manager)
         self.scheduler = Scheduler(self.config, self.block_manager)
         params = loaded.params
@@ -94,6 +100,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.config.kv_allocator != "paged" and (isinstance(params, BeamSearchParams) or params.n > 1):
+            raise ValueError(f"kv_allocator={self.config.kv_allocator!r} is a baseline without block sharing: "
+                             "it serves n=1 sampling only (no n > 1, no beam search)")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 PREEMPTION_MODES = ("recompute", "swap")
+KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
@@ -43,6 +44,11 @@ class EngineConfig:
     max_logprobs: int = 20  # top-k logprobs each step returns (API logprobs; beam candidates)
     seq_buckets: tuple[int, ...] | None = None  # padded batch sizes; None: powers of two to max_num_seqs
     token_buckets: tuple[int, ...] | None = None  # padded token counts; None: powers of two (>= 8)
+    # "paged": blocks on demand (BlockManager). "contiguous-max" / "-pow2" / "-oracle": the
+    # paper's Orca-style baselines (contiguous_allocator.py): one first-fit contiguous run
+    # per request reserved at admission for max_model_len tokens / the next power of two
+    # >= its final length / exactly its final length; no sharing, swap or prefix caching.
+    kv_allocator: str = "paged"  # "paged" | baselines "contiguous-max" | "contiguous-pow2" | "contiguous-oracle"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,6 +62,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
+        if self.kv_allocator != "paged":
+            if self.preemption_mode != "recompute":
+                raise ValueError(f"kv_allocator={self.kv_allocator!r} has no swap: use preemption_mode='recompute'")
+            object.__setattr__(self, "enable_prefix_caching", False)  # contiguous baselines share nothing
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -4,6 +4,11 @@ KV utilization is tokens held / token slots allocated on the device, sampled aft
 step's allocation and averaged over steps (the paper's measure of memory waste: with
 paging only each sequence's last block is partly empty).
 
+The waste behind it is split the same way, in token slots per step (`kv_waste` in
+contiguous_allocator.py): internal (reserved slots never to be used), reservation
+(reserved for the request's later tokens, not yet used) and external (free slots in gaps
+too short for the head of the waiting queue; 0 for paged blocks), the paper's Fig. 2.
+
 Sharing is measured the same way: each step, the blocks the device-resident block tables
 would need if nothing were shared (parallel samples, beams, prefix-cache hits) against
 the distinct blocks they hold; `sharing_savings` = 1 - held / needed-without-sharing,
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import collections
 
+from paged_jax.contiguous_allocator import kv_waste
+
 STEP_LOG_LENGTH = 10_000  # recent steps kept for per-step analysis
 
 
@@ -23,6 +30,8 @@ class EngineStats:
         self.num_steps = 0
         self._utilization_sum = 0.0
         self._utilization_steps = 0
+        # waste in token slots summed over the same steps (contiguous_allocator.kv_waste)
+        self._waste_sums = {"internal": 0, "reservation": 0, "external": 0}
         self._blocks_without_sharing_sum = 0  # summed over steps
         self._blocks_used_sum = 0
         self.host_seconds = 0.0  # scheduling, batch preparation, output processing
@@ -39,6 +48,9 @@ class EngineStats:
         if slots:
             self._utilization_sum += self._bm.num_tokens_held() / slots
             self._utilization_steps += 1
+            waiting = self._scheduler.waiting
+            for kind, waste in kv_waste(self._bm, self._scheduler.running, waiting[0] if waiting else None).items():
+                self._waste_sums[kind] += waste
         self._blocks_without_sharing_sum += self._bm.num_blocks_without_sharing()
         self._blocks_used_sum += slots // self._bm.block_size
 
@@ -59,6 +71,10 @@ class EngineStats:
             "num_blocks_free": bm.num_free_blocks,
             "block_size": bm.block_size,
             "kv_utilization": self._utilization_sum / self._utilization_steps if self._utilization_steps else None,
+            # token slots per step, over the steps kv_utilization averages (contiguous_allocator.py): reserved
+            # never to be used / reserved for later tokens / free in gaps too short for the next waiting request
+            **{f"waste_{kind}_slots": total / self._utilization_steps if self._utilization_steps else None
+               for kind, total in self._waste_sums.items()},
             "num_preemptions": self._scheduler.num_preemptions,
             "num_compilations": self._runner.num_compilations,
             "num_compilations_after_warm_up": self._runner.num_compilations - self._compilations_at_warm_up,

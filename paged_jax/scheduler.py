@@ -143,9 +143,11 @@ class Scheduler:
             num_cached = len(hits) * bm.block_size
             missing = seq.num_tokens_to_compute - num_cached
             num_new = self._fit_budget(missing)
-            if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits):
+            final = seq.final_num_tokens  # contiguous allocators reserve for it; BlockManager ignores it
+            if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
                 break
-            orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits)
+            orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
+                                       final_num_tokens=final)
             assert orders == [], "a new sequence writes only into fresh blocks"
             self.waiting.popleft()
             self.prefix_cache_query_tokens += seq.num_tokens

@@ -60,6 +60,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def final_num_tokens(self) -> int:
+        """Prompt + max_tokens: the length it reaches unless a stop ends it first (the engine
+        also caps it at max_model_len); contiguous allocators reserve for it at admission."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -5,7 +5,7 @@ import sys
 
 PURE = ["paged_jax.block_pool", "paged_jax.block_manager", "paged_jax.scheduler", "paged_jax.scheduler_output",
         "paged_jax.sequence", "paged_jax.sampling_params", "paged_jax.engine_config", "paged_jax.outputs",
-        "paged_jax.beam_search"]
+        "paged_jax.beam_search", "paged_jax.contiguous_allocator"]
 
 
 def test_host_modules_do_not_import_jax_or_numpy():
