@@ -15,6 +15,18 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama():
+    """configs' tiny random-weight Llama (init key 0) as a LoadedModel: the engine tests' model."""
+    import jax
+
+    import configs
+    from paged_jax.loading import LoadedModel
+    from paged_jax.model import init_params
+    cfg = configs.get_config("tiny_llama")
+    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, "memory", "memory", 0.0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     """SmolLM2 in transformers (torch, float32) from the same GGUF: loaded once per session,
     since dequantizing it takes ~25 s on these cores."""

@@ -5,13 +5,11 @@ first-fit model, and engine runs whose greedy outputs equal the dense reference.
 import random
 import types
 
-import jax
 import pytest
 from greedy_check import assert_greedy_match
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import configs
 from paged_jax import reference
 from paged_jax.beam_search import BeamSearchParams
 from paged_jax.block_manager import BlockManager
@@ -22,8 +20,6 @@ from paged_jax.contiguous_allocator import (
 )
 from paged_jax.engine_config import EngineConfig
 from paged_jax.llm import LLM
-from paged_jax.loading import LoadedModel
-from paged_jax.model import init_params
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -197,9 +193,8 @@ MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def model():
-    cfg = configs.get_config("tiny_llama")
-    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, "memory", "memory", 0.0)
+def model(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

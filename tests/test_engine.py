@@ -7,24 +7,19 @@ enough that preemption (by recompute and by swap) happens many times.
 
 import random
 
-import jax
 import pytest
 
-import configs
 from greedy_check import assert_greedy_match
 from paged_jax import reference
 from paged_jax.llm import LLM
-from paged_jax.loading import LoadedModel
-from paged_jax.model import init_params
 from paged_jax.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def model():
-    cfg = configs.get_config("tiny_llama")
-    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, "memory", "memory", 0.0)
+def model(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
