@@ -1,0 +1,128 @@
+"""The README's results table, generated from experiments/results/*.json.
+
+    python -m experiments.results_table            # rewrite the table in README.md
+    python -m experiments.results_table --check    # exit 1 if README.md is not what this writes
+
+Why: a hand-written table drifts from the records it quotes. Here every row (figure in
+words with the run's setting, value, command) is built from one record
+(experiments/results_rows.py), and the command is one that reproduces the record
+(experiments/result_commands.py). Only the text between the README's markers
+`<!-- results-table:begin -->` and `<!-- results-table:end -->` is replaced. `--check`
+in the tests makes a results change without a regenerated README fail.
+
+Rows come in the order of results_rows.BUILDERS (then records of scripts no builder
+knows, by name), records of one script by file name; output depends only on the files'
+contents, never on the directory listing order or the time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from experiments import results_rows
+from experiments.result_commands import reproducing_command
+from experiments.results_io import RESULTS_DIR
+
+BEGIN = "<!-- results-table:begin -->"
+END = "<!-- results-table:end -->"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_README = flags.DEFINE_string("readme", "README.md", "The README whose table (between the markers) is generated.")
+_CHECK = flags.DEFINE_boolean("check", False, "Write nothing; exit 1 if the README's table is not what would be "
+                                              "written (CI: results changed without regenerating the README).")
+
+
+def load_records(results_dir: str) -> list[tuple[str, dict]]:
+    """(file name, record) of every *.json in results_dir, sorted by file name."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "*.json")), key=os.path.basename)
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append((os.path.basename(path), json.load(f)))
+    return records
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str]]:
+    """[(figure, value, command cell, file name)] in table order."""
+    order = {module: i for i, module in enumerate(results_rows.BUILDERS)}
+    keyed = []
+    for filename, record in records:
+        command = reproducing_command(record)
+        module = command.module or ""
+        # a script's main record (<module>.json) before its variants, then by file name
+        key = (order.get(module, len(order)), module, filename != f"{module}.json", filename)
+        keyed.append((key, filename, record, command))
+    rows = []
+    for _, filename, record, command in sorted(keyed, key=lambda k: k[0]):
+        builder = results_rows.BUILDERS.get(command.module or "", results_rows.generic)
+        cell = f"`{command.text}`"
+        if command.module in results_rows.NEEDS_TEST_EXTRA:
+            cell += " (needs the test extra)"
+        for figure, value in builder(record):
+            rows.append((figure, value, cell, filename))
+    return rows
+
+
+def render_table(records: list[tuple[str, dict]]) -> str:
+    lines = ["| figure | value | command |", "| --- | --- | --- |"]
+    lines += [f"| {_cell(f)} | {_cell(v)} | {_cell(c)} |" for f, v, c, _ in table_rows(records)]
+    return "\n".join(lines)
+
+
+def replace_table(readme: str, table: str) -> str:
+    """readme with the text between the markers replaced by table (markers kept)."""
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise ValueError(f"the README needs exactly one {BEGIN} followed by one {END}")
+    head, rest = readme.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+
+
+def rebuilt_commands(records: list[tuple[str, dict]]) -> list[str]:
+    """One line per record whose own `command` would not reproduce it, and why."""
+    notes = []
+    for filename, record in records:
+        command = reproducing_command(record)
+        if command.rebuilt or command.module is None:
+            notes.append(f"{filename}: {command.reason or 'command rebuilt'}; printing `{command.text}`")
+    return notes
+
+
+def main(argv):
+    del argv
+    results_dir = RESULTS_DIR  # always the committed records (no --results_dir: plots.py owns that flag name)
+    readme_path = _README.value if os.path.isabs(_README.value) else os.path.join(_REPO, _README.value)
+    records = load_records(results_dir)
+    with open(readme_path) as f:
+        readme = f.read()
+    updated = replace_table(readme, render_table(records))
+    if _CHECK.value:
+        if updated != readme:
+            sys.stdout.writelines(difflib.unified_diff(readme.splitlines(True), updated.splitlines(True),
+                                                       "README.md", "generated", n=0))
+            print(f"\n{readme_path} is not what `python -m experiments.results_table` writes from {results_dir}: "
+                  "run it and commit the README.", file=sys.stderr)
+            sys.exit(1)
+        print(f"{readme_path}: results table up to date ({len(records)} records)")
+        return
+    for note in rebuilt_commands(records):
+        print(note)
+    if updated != readme:
+        with open(readme_path, "w") as f:
+            f.write(updated)
+    print(f"wrote the results table of {len(records)} records into {readme_path}")
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
