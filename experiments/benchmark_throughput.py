@@ -16,7 +16,10 @@ batching; --num_blocks or --kv_cache_memory_bytes set it directly. Per allocator
 record holds the engine's stats: kv_utilization (tokens held / slots allocated, mean over
 steps), the waste split in token slots per step (internal: reserved never to be used;
 reservation: reserved for later tokens; external: free in gaps too short for the next
-waiting request), mean / max batched requests per step, preemptions, and throughput
+waiting request), mean / max batched requests per step, the mean over "saturated" steps
+(those that left requests waiting: the batch the budget admits, the paper's batched
+requests; the plain mean also counts the drain at the end, where the trace's long tail
+runs nearly alone), batched requests per step over time, preemptions, and throughput
 (requests/s, output tokens/s over the wall time of the run, warm-up excluded).
 """
 
@@ -28,7 +31,10 @@ import time
 
 from absl import app, flags
 
-ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+from paged_jax.engine_config import KV_ALLOCATORS
+
+TIMELINE_POINTS = 400  # batched sequences per step, sampled to at most about this many points
+ALLOCATORS = KV_ALLOCATORS
 
 _WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Length statistics of the trace.")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 150, "Requests in the trace (all at t = 0).")
@@ -48,23 +54,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _OUTPUT = flags.DEFINE_string("output", "benchmark_throughput", "Result name: experiments/results/<output>.json.")
 
 
-def _load(name: str):
-    import dataclasses
-
-    import jax
-
-    import configs
-    from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model import init_params
-    if not (name in configs.PRESETS and name.startswith("tiny_")):  # real weights unless a tiny preset
-        return load_model(name, dtype="float32")
-    cfg = configs.get_config(name)
-    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, _MAX_MODEL_LEN.value))
-    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, f"random:{name}", "memory", 0.0)
-
-
 def main(argv):
     del argv
+    from experiments.bench_models import load_for_benchmark
     from experiments.results_io import write_result
     from experiments.workloads import make_trace
     from paged_jax.compilation_cache import enable_compilation_cache
@@ -73,7 +65,7 @@ def main(argv):
     if set(_ALLOCATORS.value) - set(ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {ALLOCATORS}; got {_ALLOCATORS.value}")
     enable_compilation_cache()
-    model = _load(_MODEL.value)
+    model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
     max_len = _MAX_MODEL_LEN.value
     trace = make_trace(_WORKLOAD.value, _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
                        max_model_len=max_len, vocab_size=model.config.vocab_size)
@@ -100,12 +92,18 @@ def main(argv):
         stats = llm.stats()
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert output_tokens == sum(output_lens), "ignore_eos: every request runs to its max_tokens"
+        batched = [entry[0] for entry in llm.engine.stats_tracker.step_log]  # the last STEP_LOG_LENGTH steps
+        stride = max(1, len(batched) // TIMELINE_POINTS)
         rows.append({
             "kv_allocator": allocator, "kv_utilization": round(stats["kv_utilization"], 4),
             "waste_internal_slots": round(stats["waste_internal_slots"], 1),
             "waste_reservation_slots": round(stats["waste_reservation_slots"], 1),
             "waste_external_slots": round(stats["waste_external_slots"], 1),
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2), "max_batched_seqs": stats["max_batched_seqs"],
+            "saturated_mean_batched_seqs": round(stats["saturated_mean_batched_seqs"] or 0.0, 2),
+            "num_saturated_steps": stats["num_saturated_steps"],
+            "batched_seqs_timeline": batched[::stride], "timeline_stride": stride,
+            "timeline_complete": stats["num_steps"] == len(batched),
             "requests_per_s": round(len(outputs) / seconds, 4),
             "output_tokens_per_s": round(output_tokens / seconds, 2), "wall_seconds": round(seconds, 2),
             "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
@@ -118,6 +116,9 @@ def main(argv):
         for other in by.keys() - {"paged"}:
             ratios[f"batched_paged_over_{other}"] = round(
                 by["paged"]["mean_batched_seqs"] / by[other]["mean_batched_seqs"], 2)
+            if by[other]["saturated_mean_batched_seqs"]:
+                ratios[f"saturated_batched_paged_over_{other}"] = round(
+                    by["paged"]["saturated_mean_batched_seqs"] / by[other]["saturated_mean_batched_seqs"], 2)
             ratios[f"throughput_paged_over_{other}"] = round(
                 by["paged"]["output_tokens_per_s"] / by[other]["output_tokens_per_s"], 2)
     figures = {"model": model.source, "dtype": "float32", "workload": _WORKLOAD.value, "engine_settings": settings,
@@ -126,11 +127,12 @@ def main(argv):
                "load_average_end": os.getloadavg()}
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures=figures, seed=_SEED.value))
-    print(f"\n{'allocator':>17} {'util':>6} {'internal':>8} {'reserv.':>8} {'extern.':>8} {'batch':>6} {'max':>4} "
+    print(f"\n{'allocator':>17} {'util':>6} {'internal':>8} {'reserv.':>8} {'extern.':>8} {'batch':>6} {'sat.':>6} {'max':>4} "
           f"{'req/s':>7} {'tok/s':>7} {'wall s':>7} {'preempt':>7}")
     for r in rows:
         print(f"{r['kv_allocator']:>17} {r['kv_utilization']:>6.3f} {r['waste_internal_slots']:>8.1f} "
               f"{r['waste_reservation_slots']:>8.1f} {r['waste_external_slots']:>8.1f} {r['mean_batched_seqs']:>6.2f} "
+              f"{r['saturated_mean_batched_seqs']:>6.2f} "
               f"{r['max_batched_seqs']:>4} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>7.1f} "
               f"{r['wall_seconds']:>7.1f} {r['num_preemptions']:>7}")
     for name, value in sorted(ratios.items()):

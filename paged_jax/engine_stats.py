@@ -39,6 +39,11 @@ class EngineStats:
         self.num_batched_tokens = 0
         self.num_batched_seqs = 0
         self.max_batched_seqs = 0
+        # steps that ran while requests still waited: their batch is what the KV budget
+        # (or max_num_seqs) admits, the paper's "batched requests" at saturation
+        self._waiting_at_schedule = False
+        self.num_saturated_steps = 0
+        self.saturated_batched_seqs = 0
         self._compilations_at_warm_up = runner.num_compilations
         # (num_seqs, num_tokens, host_seconds, device_seconds) of recent steps
         self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG_LENGTH)
@@ -53,6 +58,7 @@ class EngineStats:
                 self._waste_sums[kind] += waste
         self._blocks_without_sharing_sum += self._bm.num_blocks_without_sharing()
         self._blocks_used_sum += slots // self._bm.block_size
+        self._waiting_at_schedule = bool(self._scheduler.waiting or self._scheduler.swapped)
 
     def record_step(self, output, step_seconds: float, device_seconds: float) -> None:
         self.num_steps += 1
@@ -61,6 +67,9 @@ class EngineStats:
         self.num_batched_tokens += output.num_batched_tokens
         self.num_batched_seqs += len(output.chunks)
         self.max_batched_seqs = max(self.max_batched_seqs, len(output.chunks))
+        if self._waiting_at_schedule:
+            self.num_saturated_steps += 1
+            self.saturated_batched_seqs += len(output.chunks)
         self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
                               device_seconds))
 
@@ -94,6 +103,10 @@ class EngineStats:
                                 if self._blocks_without_sharing_sum else 0.0),
             "mean_batched_seqs": self.num_batched_seqs / steps,
             "max_batched_seqs": self.max_batched_seqs,
+            # over the steps that left requests waiting (None if none did)
+            "saturated_mean_batched_seqs": (self.saturated_batched_seqs / self.num_saturated_steps
+                                            if self.num_saturated_steps else None),
+            "num_saturated_steps": self.num_saturated_steps,
             "mean_batched_tokens": self.num_batched_tokens / steps,
             "host_seconds_per_step": self.host_seconds / steps,
             "device_seconds_per_step": self.device_seconds / steps,

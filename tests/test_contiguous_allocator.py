@@ -236,6 +236,8 @@ def test_engine_greedy_equals_reference(model, trace, runs, allocator):
         assert stats["num_preemptions"] == 0  # growth inside a reservation never fails
     if allocator == "contiguous-max":  # 48 blocks hold 3 reservations of 128 tokens
         assert stats["max_batched_seqs"] == 3
+        # while requests wait, the 3 reservations are always taken
+        assert stats["num_saturated_steps"] > 0 and stats["saturated_mean_batched_seqs"] == 3
 
 
 def test_utilization_and_batching_order(runs):
@@ -243,6 +245,8 @@ def test_utilization_and_batching_order(runs):
     assert util["paged"] > util["contiguous-oracle"] >= util["contiguous-pow2"] > util["contiguous-max"], util
     batched = {a: s["mean_batched_seqs"] for a, (_, s) in runs.items()}
     assert batched["paged"] > batched["contiguous-oracle"] > batched["contiguous-max"], batched
+    saturated = {a: s["saturated_mean_batched_seqs"] for a, (_, s) in runs.items()}
+    assert saturated["paged"] > saturated["contiguous-oracle"] > saturated["contiguous-max"], saturated
     paged, cmax = runs["paged"][1], runs["contiguous-max"][1]
     # block rounding only: < block_size slots per running sequence
     oracle = runs["contiguous-oracle"][1]
