@@ -1,0 +1,150 @@
+"""Normalized latency against request rate, per KV allocator (the paper's Fig. 12).
+
+    python -m experiments.serving_sweep --request_rates=0.5,1,2,4 --num_requests=60
+    python -m experiments.serving_sweep --model=tiny_llama --request_rates=2,8 --num_requests=16   # fast
+
+Why: offline throughput hides what a serving system is judged on, the request rate it
+sustains before latency runs away. For each allocator (`--kv_allocator`, same model, KV
+budget and scheduler) and each rate, a fresh seeded trace with Poisson arrivals is
+replayed in real time against an in-process LLMEngine (no HTTP: this measures the
+engine, `benchmark_serving` measures the server): requests are added when their arrival
+time has passed, the engine steps while it has work, and each request's arrival, first
+token and finish times come from the engine's own metrics. Per point: normalized latency
+(end-to-end latency / output tokens, mean over requests, the paper's y axis), TTFT and
+TPOT percentiles, output tokens/s and mean batched requests.
+
+The sustained rate of an allocator is the highest rate whose mean normalized latency
+stays within `--slo_factor` times the lowest normalized latency any allocator reached
+(one yardstick for all); None if even the lowest rate misses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+from absl import app, flags
+
+from paged_jax.engine_config import KV_ALLOCATORS as ALLOCATORS
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset (random "
+                                                      "weights: fast, not for claims).")
+_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Length statistics of the trace.")
+_SCALE = flags.DEFINE_float("scale", 0.1, "Length scale of the trace (1.0: the data set's means).")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 60, "Requests per (allocator, rate) point.")
+_RATES = flags.DEFINE_list("request_rates", ["0.5", "1", "2", "4"], "Poisson arrival rates (requests/s).")
+_ALLOCATORS = flags.DEFINE_list("kv_allocator", list(ALLOCATORS), "KV allocators to run, in order.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block (every allocator).")
+_KV_SEQS = flags.DEFINE_integer("kv_seqs", 4, "KV budget in max_model_len-long sequences (unless --num_blocks).")
+_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "KV blocks incl. the null block (overrides --kv_seqs).")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "Engine max_model_len (and the trace's cap).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step.")
+_MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 128, "Tokens per step.")
+_SLO_FACTOR = flags.DEFINE_float("slo_factor", 2.0, "Sustained: mean normalized latency <= this x the best seen.")
+_SEED = flags.DEFINE_integer("seed", 0, "Trace seed (the same traces for every allocator).")
+_OUTPUT = flags.DEFINE_string("output", "serving_sweep", "Result name: experiments/results/<output>.json.")
+
+
+def replay(engine, trace, params_for, clock=time.monotonic, sleep=time.sleep) -> list[dict]:
+    """Replay `trace` (experiments.workloads.Request, arrival_time in seconds from now)
+    against `engine` in real time; returns one record per request: arrival, first-token
+    and finish times (seconds from the start) and output tokens."""
+    start = clock()
+    pending = collections.deque(sorted(enumerate(trace), key=lambda item: item[1].arrival_time))
+    done = []
+    while pending or engine.has_unfinished_requests():
+        now = clock() - start
+        while pending and pending[0][1].arrival_time <= now:
+            i, request = pending.popleft()
+            engine.add_request(str(i), {"prompt_token_ids": list(request.prompt_token_ids)}, params_for(request),
+                               arrival_time=start + request.arrival_time)
+        if not engine.has_unfinished_requests():
+            sleep(max(0.0, pending[0][1].arrival_time - (clock() - start)))
+            continue
+        for output in engine.step():
+            if output.finished:
+                m = output.metrics
+                done.append({"arrival": m["arrival_time"] - start, "first_token": m["first_token_time"] - start,
+                             "finish": m["finish_time"] - start,
+                             "output_tokens": len(output.outputs[0].token_ids)})
+    return done
+
+
+def summarize(records: list[dict]) -> dict:
+    """The serving figures of one point (times in seconds)."""
+    e2e = np.array([r["finish"] - r["arrival"] for r in records])
+    out = np.array([r["output_tokens"] for r in records])
+    ttft = np.array([r["first_token"] - r["arrival"] for r in records])
+    multi = out > 1
+    tpot = (e2e[multi] - ttft[multi]) / (out[multi] - 1)
+    span = max(r["finish"] for r in records) - min(r["arrival"] for r in records)
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else None
+    return {"normalized_latency_s_per_token": float(np.mean(e2e / out)),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p90_s": pct(tpot, 90), "tpot_p99_s": pct(tpot, 99),
+            "e2e_p50_s": pct(e2e, 50), "output_tokens_per_s": float(out.sum() / span),
+            "requests_per_s": len(records) / span, "num_requests": len(records)}
+
+
+def sustained_rates(curves: dict[str, list[dict]], slo_factor: float) -> dict:
+    """Per allocator, the highest rate with normalized latency <= slo_factor x the best
+    normalized latency of any allocator at any rate (None if no rate meets it)."""
+    best = min(p["normalized_latency_s_per_token"] for points in curves.values() for p in points)
+    out = {}
+    for allocator, points in curves.items():
+        ok = [p["request_rate"] for p in points if p["normalized_latency_s_per_token"] <= slo_factor * best]
+        out[allocator] = max(ok) if ok else None
+    return out
+
+
+def main(argv):
+    del argv
+    from experiments.bench_models import load_for_benchmark
+    from experiments.results_io import write_result
+    from experiments.workloads import make_trace
+    from paged_jax.compilation_cache import enable_compilation_cache
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_config import EngineConfig
+    from paged_jax.sampling_params import SamplingParams
+    if set(_ALLOCATORS.value) - set(ALLOCATORS):
+        raise app.UsageError(f"--kv_allocator must be among {ALLOCATORS}; got {_ALLOCATORS.value}")
+    rates = sorted(float(r) for r in _RATES.value)
+    enable_compilation_cache()
+    model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
+    max_len = _MAX_MODEL_LEN.value
+    settings = {"block_size": _BLOCK_SIZE.value, "max_model_len": max_len, "max_num_seqs": _MAX_NUM_SEQS.value,
+                "max_num_batched_tokens": _MAX_BATCHED.value, "enable_prefix_caching": False,
+                "num_blocks": _NUM_BLOCKS.value or _KV_SEQS.value * -(-max_len // _BLOCK_SIZE.value) + 1}
+    params_for = lambda r: SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+    traces = {rate: make_trace(_WORKLOAD.value, _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
+                               max_model_len=max_len, vocab_size=model.config.vocab_size, request_rate=rate)
+              for rate in rates}
+    curves = {}
+    for allocator in _ALLOCATORS.value:
+        engine = LLMEngine(model, EngineConfig(kv_allocator=allocator, **settings))
+        curves[allocator] = []
+        for rate in rates:
+            steps, batched = engine.stats_tracker.num_steps, engine.stats_tracker.num_batched_seqs
+            records = replay(engine, traces[rate], params_for)
+            point = {"request_rate": rate, **summarize(records),
+                     "mean_batched_seqs": (engine.stats_tracker.num_batched_seqs - batched)
+                     / max(1, engine.stats_tracker.num_steps - steps)}
+            curves[allocator].append(point)
+            print(f"{allocator:>17} rate {rate:6.2f}/s: normalized latency {point['normalized_latency_s_per_token']:.3f}"
+                  f" s/token, TTFT p50 {point['ttft_p50_s']:.2f} s, {point['output_tokens_per_s']:.1f} tok/s, "
+                  f"batch {point['mean_batched_seqs']:.1f}", flush=True)
+        assert engine.stats()["num_compilations_after_warm_up"] == 0
+        del engine
+    sustained = sustained_rates(curves, _SLO_FACTOR.value)
+    figures = {"model": model.source, "workload": _WORKLOAD.value, "scale": _SCALE.value, "engine_settings": settings,
+               "allocators": [{"kv_allocator": a, "points": p} for a, p in curves.items()],
+               "sustained_rate": sustained, "slo_factor": _SLO_FACTOR.value}
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
+    print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures=figures, seed=_SEED.value))
+    print("sustained rate (requests/s):", sustained)
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
