@@ -5,6 +5,11 @@ No data set is downloaded: prompts are random token ids, and lengths are drawn f
 log-normal with the data set's mean (sigma sets the spread; the mean is kept exactly in
 expectation: mu = ln(mean) - sigma^2 / 2), capped so prompt + output <= max_model_len.
 `scale` shrinks both means for CPU runs while keeping the shape of the distribution.
+
+The paper's other workloads are variants of these (../shared/BENCHMARKS.md): `shared-prefix`
+puts one common prefix (the paper's 1-shot and 5-shot prompts: 80 and 341 tokens) before
+each Alpaca-like prompt; `sampling` and `beam` are Alpaca-like requests that ask for n
+parallel samples or a beam search of width w (the fields `n` and `beam_width`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import numpy as np
 
 # name -> (mean prompt tokens, mean output tokens)
 DATASETS = {"sharegpt": (161, 338), "alpaca": (19, 58)}
+# variant -> the data set whose lengths it draws (prompts after any shared prefix)
+VARIANTS = {"shared-prefix": "alpaca", "sampling": "alpaca", "beam": "alpaca"}
+WORKLOADS = tuple(DATASETS) + tuple(VARIANTS)
+PAPER_PREFIX_LENS = (80, 341)  # 1-shot and 5-shot prompts of the paper's translation workload
 SIGMA = 0.8  # log-normal spread of both lengths
 
 
@@ -24,6 +33,8 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int  # output length (run with ignore_eos so it is exact)
     arrival_time: float  # seconds after the start; 0 for offline runs
+    n: int = 1  # parallel samples ("sampling")
+    beam_width: int = 0  # 0: no beam search ("beam")
 
 
 def _lognormal(rng, mean: float, size: int) -> np.ndarray:
@@ -32,20 +43,29 @@ def _lognormal(rng, mean: float, size: int) -> np.ndarray:
 
 
 def make_trace(workload: str, num_requests: int, *, seed: int = 0, scale: float = 1.0, max_model_len: int = 2048,
-               vocab_size: int = 49152, request_rate: float | None = None, first_token_id: int = 3) -> list[Request]:
-    """`num_requests` requests of `workload`; Poisson arrivals at `request_rate` per second,
-    or all at t = 0 when it is None."""
-    if workload not in DATASETS:
-        raise ValueError(f"unknown workload {workload!r}; available: {sorted(DATASETS)}")
+               vocab_size: int = 49152, request_rate: float | None = None, first_token_id: int = 3,
+               prefix_len: int = PAPER_PREFIX_LENS[0], n: int = 4, beam_width: int = 4) -> list[Request]:
+    """`num_requests` requests of `workload` (one of WORKLOADS); Poisson arrivals at
+    `request_rate` per second, or all at t = 0 when it is None. `prefix_len` applies to
+    "shared-prefix" (the prefix is not scaled: it is the paper's prompt), `n` to
+    "sampling", `beam_width` to "beam"."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; available: {list(WORKLOADS)}")
     if scale <= 0 or num_requests < 1:
         raise ValueError("scale must be > 0 and num_requests >= 1")
+    shared = prefix_len if workload == "shared-prefix" else 0
+    if not 0 <= shared < max_model_len - 1:
+        raise ValueError(f"prefix_len={prefix_len} leaves no room in max_model_len={max_model_len}")
     rng = np.random.default_rng(seed)
-    mean_prompt, mean_output = DATASETS[workload]
-    prompt_lens = np.minimum(_lognormal(rng, mean_prompt * scale, num_requests), max_model_len - 1)
-    output_lens = np.minimum(_lognormal(rng, mean_output * scale, num_requests), max_model_len - prompt_lens)
+    mean_prompt, mean_output = DATASETS[VARIANTS.get(workload, workload)]
+    prefix = tuple(int(t) for t in rng.integers(first_token_id, vocab_size, shared))
+    prompt_lens = np.minimum(_lognormal(rng, mean_prompt * scale, num_requests), max_model_len - shared - 1)
+    output_lens = np.minimum(_lognormal(rng, mean_output * scale, num_requests), max_model_len - shared - prompt_lens)
     if request_rate is None:
         arrivals = np.zeros(num_requests)
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / request_rate, num_requests))
-    return [Request(tuple(int(t) for t in rng.integers(first_token_id, vocab_size, n)), int(m), float(a))
-            for n, m, a in zip(prompt_lens, output_lens, arrivals)]
+    extra = {"sampling": {"n": n}, "beam": {"beam_width": beam_width}}.get(workload, {})
+    return [Request(prefix + tuple(int(t) for t in rng.integers(first_token_id, vocab_size, p)), int(m), float(a),
+                    **extra)
+            for p, m, a in zip(prompt_lens, output_lens, arrivals)]
