@@ -20,6 +20,7 @@ from absl import app, flags
 
 from experiments import engine_flags
 from experiments.engine_flags import define_engine_flags, engine_config_from_flags
+from paged_jax import multihost
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "Registered name, GGUF file, Hugging Face directory or paged_jax checkpoint.")
@@ -40,6 +41,7 @@ _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Persistent XLA compilation cache (default ~/.cache/paged_jax/jax).")
 define_engine_flags()
 flags.adopt_module_key_flags(engine_flags)  # list the engine flags in --help too
+multihost.define_flags()  # --coordinator_address, --num_processes, --process_id, ... (paged_jax/multihost.py)
 
 
 def main(argv):
@@ -51,8 +53,10 @@ def main(argv):
 
     try:
         config = engine_config_from_flags()
+        distributed = multihost.config_from_flags()
     except ValueError as exc:
         raise app.UsageError(str(exc)) from exc
+    multihost.initialize(distributed)  # before anything touches a device
     enable_compilation_cache(_CACHE_DIR.value)
     print(f"loading {_MODEL.value} and compiling the engine's buckets ...", file=sys.stderr)
     engine = LLMEngine(_MODEL.value, config)
@@ -61,8 +65,9 @@ def main(argv):
     print(f"serving {settings.served_model_name!r} at http://{_HOST.value}:{_PORT.value}/v1 "
           f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
           f"{engine.config.block_size}, attention {engine.config.attention_backend})", file=sys.stderr)
-    serve(build_app(engine, settings), host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value,
-          grace=_SHUTDOWN_TIMEOUT.value)
+    # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
+    multihost.run(engine, lambda: serve(build_app(engine, settings), host=_HOST.value, port=_PORT.value,
+                                        log_level=_LOG_LEVEL.value, grace=_SHUTDOWN_TIMEOUT.value))
     print("server stopped", file=sys.stderr)
 
 

@@ -61,9 +61,21 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", config: EngineConfig | None = None):
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", config: EngineConfig | None = None, *,
+                 runner_factory=ModelRunner, clock=time.monotonic, final_outputs_only: bool = False):
+        """`runner_factory` (ModelRunner's signature) and `clock` (seconds) are injection
+        points: experiments/simulate.py passes a model-free runner and a virtual clock, so
+        a simulation runs this engine's own scheduling and bookkeeping, not a copy.
+        `final_outputs_only`: `step` returns finished requests only (no per-step output of
+        running ones, whose token lists it would copy every step)."""
         config = config or EngineConfig()
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
+        mesh = None
+        if config.tensor_parallel_size > 1:  # shard over a device mesh (paged_jax/tensor_parallel.py)
+            from paged_jax import tensor_parallel
+            mesh = tensor_parallel.make_mesh(config.tensor_parallel_size)
+            loaded = tensor_parallel.load_sharded(model, config.dtype, mesh)
+        else:
+            loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.config = _resolve(config, loaded)
         block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.config.dtype)
@@ -79,8 +91,10 @@ class LLMEngine:
         _check_capacity(self.config, self.block_manager)
         self.scheduler = Scheduler(self.config, self.block_manager)
         params = loaded.params
-        self.runner = ModelRunner(self.model_config, params, self.config, num_blocks=self.config.num_blocks,
-                                  num_host_blocks=num_host_blocks)
+        self.runner = runner_factory(self.model_config, params, self.config, num_blocks=self.config.num_blocks,
+                                     num_host_blocks=num_host_blocks, **({"mesh": mesh} if mesh else {}))
+        self._clock = clock
+        self._final_outputs_only = final_outputs_only
         self.runner.warm_up()
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
         self._requests: dict[str, _Request] = {}
@@ -105,7 +119,7 @@ class LLMEngine:
                              "it serves n=1 sampling only (no n > 1, no beam search)")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
-        now = time.monotonic() if arrival_time is None else arrival_time
+        now = self._clock() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
             request = self._beam_request(request_id, text, token_ids, params, now)
         else:
@@ -185,7 +199,7 @@ class LLMEngine:
             return []
         device_before = self.runner.device_seconds
         result = self.runner.execute(output, self._seqs)
-        now = time.monotonic()
+        now = self._clock()
         touched = {}
         for row, seq in self.scheduler.update(output, self._seqs):
             request = touched[seq.request_id] = self._requests[seq.request_id]
@@ -209,8 +223,10 @@ class LLMEngine:
                     self._advance_beams(request, now)
                 if not request.finished:
                     continue  # beams are reported once the search is done
-            results.append(self._output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not self._final_outputs_only:
+                results.append(self._output(request))
+            if finished:
                 del self._requests[request.request_id]
                 for seq in request.seqs:
                     self._seqs.pop(seq.seq_id, None)
@@ -358,7 +374,8 @@ def _resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     num_blocks = config.num_blocks
     if num_blocks is None:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-        num_blocks = budget // bytes_per_block(loaded.config, config.block_size, config.dtype)
+        num_blocks = budget // bytes_per_block(loaded.config, config.block_size, config.dtype,
+                                               config.tensor_parallel_size)  # the budget is per device
     backend = config.attention_backend
     if backend == "auto":
         backend = auto_attention_backend(jax.default_backend())

@@ -49,9 +49,12 @@ class EngineConfig:
     # per request reserved at admission for max_model_len tokens / the next power of two
     # >= its final length / exactly its final length; no sharing, swap or prefix caching.
     kv_allocator: str = "paged"  # "paged" | baselines "contiguous-max" | "contiguous-pow2" | "contiguous-oracle"
+    # > 1: shard attention heads, MLP and KV cache over a mesh of this many devices
+    # (paged_jax/tensor_parallel.py); the KV budget (kv_cache_memory_bytes) is then per device
+    tensor_parallel_size: int = 1  # devices in the tensor-parallel mesh axis; must divide num_heads and num_kv_heads
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.num_blocks is not None and self.num_blocks < 2:

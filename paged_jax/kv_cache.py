@@ -24,9 +24,11 @@ class PagedMetadata(NamedTuple):
     query_start_loc: jnp.ndarray  # i32[S + 1]: row i's tokens are [qsl[i], qsl[i+1])
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
-    """K and V of one block across all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
+    """K and V of one block across all layers, on one device: with tensor parallelism
+    each device holds num_kv_heads / tensor_parallel_size heads of every block."""
+    heads = cfg.num_kv_heads // tensor_parallel_size
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> dict:

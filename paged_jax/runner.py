@@ -6,19 +6,25 @@ cache donated: copy-on-write block copies, the model over the new tokens (K/V wr
 at their slots, attention through the block tables), logits for each row's last token,
 and sampling with per-row parameters. Every bucket compiles at warm-up; a counter
 incremented at trace time proves nothing compiles afterwards.
+
+With a `mesh` (tensor_parallel_size > 1, `paged_jax/tensor_parallel.py`) the same step
+runs SPMD over the mesh: the cache is created sharded by KV head, attention runs per
+shard under shard_map, logits are gathered before sampling, and the step's in/out
+shardings are pinned so the donated cache never moves. Without one, nothing changes.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import kv_cache as kvc
+from paged_jax import tensor_parallel as tp
 from paged_jax.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.engine_config import EngineConfig
 from paged_jax.model import Params, compute_logits, forward
@@ -42,7 +48,7 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
-                 num_host_blocks: int):
+                 num_host_blocks: int, mesh=None):
         if config.attention_backend not in ("pallas", "reference"):
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         self.model_config = model_config
@@ -53,14 +59,25 @@ class ModelRunner:
         self.max_copies = config.max_num_seqs
         self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
         dtype = jnp.dtype(config.dtype)
-        self.kv_cache = kvc.init_kv_cache(model_config, num_blocks, config.block_size, dtype)
+        self.mesh = mesh  # jax.sharding.Mesh for tensor parallelism, or None (one device)
+        if mesh is not None and num_host_blocks and jax.process_count() > 1:
+            raise ValueError("multi-host engines preempt by recompute only (each process holds only its heads of a "
+                             "block, so a swap cannot go through one host's memory): use preemption_mode='recompute'")
+        if mesh is None:
+            self.kv_cache = kvc.init_kv_cache(model_config, num_blocks, config.block_size, dtype)
+        else:
+            self.kv_cache = tp.init_kv_cache(model_config, num_blocks, config.block_size, dtype, mesh)
         host_shape = (model_config.num_layers, num_host_blocks, config.block_size, model_config.num_kv_heads,
                       model_config.head_dim)
         self.host_cache = {name: np.zeros(host_shape, dtype) for name in ("k", "v")}
         self.num_compilations = 0  # traces of the step function (one per compiled shape)
         self.device_seconds = 0.0  # wall time inside device calls (step and swaps)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
-        self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,))
+        # multi-host leader: sends each step's inputs to the follower processes first
+        self.on_step: Callable[[BatchInputs], None] | None = None
+        step_shardings = {} if mesh is None else tp.jit_kwargs(mesh, params)
+        swap_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), **step_shardings)
+        self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,), **swap_shardings)
         self._gather_blocks = jax.jit(self._gather_blocks_impl)
 
     # ---- device functions -------------------------------------------------------------
@@ -71,8 +88,12 @@ class ModelRunner:
         meta = kvc.PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
         attention = functools.partial(kvc.paged_attention, sliding_window=cfg.sliding_window,
                                       backend=self.config.attention_backend)
+        if self.mesh is not None:
+            attention = tp.sharded_attention(attention, self.mesh)
         hidden, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, meta, attention)
         logits = compute_logits(params, hidden[batch.logits_indices])
+        if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
+            logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
         tokens = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -111,10 +132,17 @@ class ModelRunner:
         batch = prepare_batch(output, seqs, block_size=self.config.block_size, num_blocks=self.num_blocks,
                               max_blocks_per_seq=self.max_blocks_per_seq, seq_buckets=self.config.seq_buckets,
                               token_buckets=self.config.token_buckets, max_copies=self.max_copies)
+        n = len(output.chunks)
+        return StepResult(*(a[:n] for a in self.run_batch(batch)))
+
+    def run_batch(self, batch: BatchInputs) -> StepResult:
+        """Run the jitted step on a prepared batch (multi-host followers call this with the
+        leader's batch); returns every padded row, as numpy."""
+        if self.on_step is not None:
+            self.on_step(batch)
         start = time.perf_counter()
         result, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-        n = len(output.chunks)
-        result = StepResult(*(np.asarray(a)[:n] for a in result))
+        result = StepResult(*(np.asarray(a) for a in result))
         self.device_seconds += time.perf_counter() - start
         return result
 
@@ -142,8 +170,10 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
 
     def _swap_in_blocks(self, dst: np.ndarray, host_src: np.ndarray) -> None:
-        self.kv_cache = self._swap_in(self.kv_cache, dst, self.host_cache["k"][:, host_src],
-                                      self.host_cache["v"][:, host_src])
+        k, v = self.host_cache["k"][:, host_src], self.host_cache["v"][:, host_src]
+        if self.mesh is not None:  # each device receives only its heads of the blocks
+            k, v = (tp.place(a, tp.cache_sharding(self.mesh)) for a in (k, v))
+        self.kv_cache = self._swap_in(self.kv_cache, dst, k, v)
 
 
 def _chunks(pairs):

@@ -64,8 +64,9 @@ def save_checkpoint(path: str, cfg: ModelConfig, params: Params, tokenizer=None)
         json.dump({"format_version": FORMAT_VERSION, "dtype": dtype, "config": config_to_dict(cfg)}, f, indent=1)
 
 
-def load_checkpoint(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, Params, object]:
-    """Restore (config, params, tokenizer or None) from a directory `save_checkpoint` wrote."""
+def load_checkpoint(path: str, *, load_tokenizer: bool = True, shardings=None) -> tuple[ModelConfig, Params, object]:
+    """Restore (config, params, tokenizer or None) from a directory `save_checkpoint` wrote.
+    `shardings` (as in `load_gguf`): orbax restores each device's slices directly."""
     path = os.path.abspath(path)
     if not is_checkpoint(path):
         raise ValueError(f"{path} is not a paged_jax checkpoint (no {MARKER})")
@@ -77,10 +78,12 @@ def load_checkpoint(path: str, *, load_tokenizer: bool = True) -> tuple[ModelCon
     cfg = config_from_dict(meta["config"])
     dtype = np.dtype(jnp.dtype(meta["dtype"]))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=device), param_shapes(cfg),
-                            is_leaf=lambda x: isinstance(x, tuple))
+    sharding_of = shardings(cfg) if shardings is not None else (lambda name, shape: device)
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda p, shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(p[-1].key, shape)),
+        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     ocp, ckpt = _orbax()
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=device, dtype=dtype), abstract)
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=dtype), abstract)
     with ckpt:
         params = ckpt.restore(os.path.join(path, "params"),
                               args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))

@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from paged_jax.loading.placement import place_params
 from paged_jax.model import Params, param_shapes
 from paged_jax.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from paged_jax.rope import inverse_frequencies
@@ -152,14 +152,19 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, Params]:
     """Read a GGUF file: (config, params) with params in `model.py`'s layout, cast to dtype.
+
+    `shardings(config)` -> (name, shape) -> Sharding (optional, tensor parallelism): the
+    config is checked against it before any tensor is read, and each device gets only its
+    slices (loading/placement.py).
 
     Every expected parameter must be present exactly with the shape the metadata
     implies; an unknown tensor name or a missing one is an error, not silently skipped.
     """
     reader = GGUFReader(path)
     cfg = gguf_config(reader)
+    sharding_of = shardings(cfg) if shardings is not None else None
     shapes = param_shapes(cfg)
     np_dtype = np.dtype(dtype)  # bfloat16 too, through ml_dtypes
     params = {name: np.empty(shape, np_dtype) for name, shape in shapes.items() if name != "layers"}
@@ -195,4 +200,4 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
 
     if missing:
         raise ValueError(f"the GGUF lacks {len(missing)} parameters, e.g. {sorted(missing, key=str)[:3]}")
-    return cfg, jax.tree.map(jnp.asarray, params)
+    return cfg, place_params(params, sharding_of)

@@ -27,6 +27,7 @@ import numpy as np
 from safetensors import safe_open
 
 from paged_jax.loading.hf_config import config_from_hf
+from paged_jax.loading.placement import place_params
 from paged_jax.model import Params, param_shapes
 from paged_jax.model_config import ModelConfig
 
@@ -75,12 +76,12 @@ class _Target:
     shape: tuple[int, ...]  # the tensor's shape in the file (before transposing)
 
 
-def load_hf_directory(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_hf_directory(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory into (config, params).
 
     `dtype` is the dtype of every returned parameter (a floating type; weights are cast
     on the host). The returned config says `tie_word_embeddings=True` whenever the
-    params have no `lm_head`, so the two always agree.
+    params have no `lm_head`, so the two always agree. `shardings`: as in `load_gguf`.
     """
     target_dtype = np.dtype(jnp.dtype(dtype))
     if not jnp.issubdtype(target_dtype, jnp.floating):
@@ -99,6 +100,7 @@ def load_hf_directory(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params
     available = _tensor_locations(files)
     if _LM_HEAD not in available and not cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    sharding_of = shardings(cfg) if shardings is not None else None  # checks the config before reading
     targets = _targets(cfg)
     ignored = {n for n in available if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings and _LM_HEAD in available:
@@ -131,8 +133,7 @@ def load_hf_directory(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params
                     params["layers"][target.param][target.layer] = value
     if cfg.tie_word_embeddings and _LM_HEAD in available:
         _check_tied_head(available)
-    return cfg, {k: ({n: jnp.asarray(a) for n, a in v.items()} if k == "layers" else jnp.asarray(v))
-                 for k, v in params.items()}
+    return cfg, place_params(params, sharding_of)
 
 
 def _weight_files(path: str) -> list[str]:

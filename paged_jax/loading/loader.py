@@ -62,8 +62,12 @@ def detect_kind(path: str) -> str:
         "(config.json + *.safetensors) or a paged_jax checkpoint directory")
 
 
-def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32") -> LoadedModel:
-    """Load weights, config and tokenizer from any supported source (see module doc)."""
+def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32", shardings=None) -> LoadedModel:
+    """Load weights, config and tokenizer from any supported source (see module doc).
+
+    `shardings`: None (every parameter whole on the default device) or a rule
+    config -> (name, shape) -> Sharding, e.g. `tensor_parallel.sharding_rule(mesh)`:
+    parameters are then placed shard by shard, never whole on one device."""
     start = time.perf_counter()
     target = resolve_dtype(dtype)
     if model in registry.REGISTRY or (os.sep not in model and not os.path.exists(model)):
@@ -74,16 +78,16 @@ def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32") -> Loade
     if kind == "gguf":
         from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
         from paged_jax.loading.gguf_weights import load_gguf
-        cfg, params = load_gguf(path, dtype=target)
+        cfg, params = load_gguf(path, dtype=target, shardings=shardings)
         tokenizer = load_gguf_tokenizer(path)
     elif kind == "hf":
         from transformers import AutoTokenizer
 
         from paged_jax.loading.hf_weights import load_hf_directory
-        cfg, params = load_hf_directory(path, dtype=target)
+        cfg, params = load_hf_directory(path, dtype=target, shardings=shardings)
         tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
     else:
-        cfg, params, tokenizer = checkpoint.load_checkpoint(path)
+        cfg, params, tokenizer = checkpoint.load_checkpoint(path, shardings=shardings)
         if params["embed"].dtype != target:
             params = jax.tree.map(lambda a: a.astype(target), params)
     return LoadedModel(cfg, params, tokenizer, os.path.abspath(path), kind, time.perf_counter() - start)
