@@ -203,6 +203,20 @@ class BlockManager:
         free blocks; no watermark applies here, since running sequences may use it.
         Shrinking is a ValueError; so is growing a swapped sequence.
         """
+        table = self._tables.get(seq_id)
+        if table is not None and not cached_blocks and type(num_total_tokens) is int and seq_id not in self._swapped:
+            # Fast path, most decode steps (the simulator runs millions): the tokens fit the
+            # blocks the table has, and no copy-on-write is due (nothing new is written, or
+            # the last block is full, or it is private). Same effect as the general path.
+            current = self._num_tokens[seq_id]
+            if current <= num_total_tokens <= len(table) * self.block_size and (
+                    num_total_tokens == current or current % self.block_size == 0 or table[-1].ref_count == 1):
+                self._num_tokens[seq_id] = num_total_tokens
+                if self.enable_prefix_caching and tokens is not None:
+                    hashes = self._hashes.get(seq_id)
+                    if hashes is None or len(hashes) < num_total_tokens // self.block_size:
+                        self._cache_full_blocks(seq_id, tokens)
+                return []
         _check_int("num_total_tokens", num_total_tokens, 0)
         if cached_blocks:
             if seq_id in self._tables:

@@ -109,7 +109,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and self._has_room():
             seq = self.running[i]
-            self._fork_if_ready(seq)
+            if seq.pending_forks:
+                self._fork_if_ready(seq)
             num_new = self._num_new_tokens(seq)
             while num_new and not self._try_schedule(seq, num_new):
                 victims = self._victims(i)

@@ -1,0 +1,289 @@
+"""Simulate serving a trace: the real scheduler and KV allocator, no model, a virtual clock.
+
+    python -m experiments.simulate                                   # 100,000 Alpaca-like requests
+    python -m experiments.simulate --workload=sharegpt --kv_allocator=paged --block_size=8,16,32 --request_rate=2
+
+Why: comparing allocation policies and block sizes on the paper's scale (hundreds of
+thousands of requests, long traces at many request rates) on real hardware takes days;
+the decisions that differ between policies (what is admitted, batched, preempted) are
+all made by host-side Python that needs no model. So the simulator builds a real
+LLMEngine (scheduler, BlockManager or ContiguousAllocator, stop checks, outputs, stats)
+through its injection points: a runner that samples a fixed token per scheduled row
+instead of running a model and a virtual clock that each step advances by a step-time
+model fitted to the real engine (experiments/step_time_model.py, fitted by
+experiments/calibrate_step_time.py). Requests join at their virtual arrival times, run
+with ignore_eos and the trace's max_tokens, so their lengths are the trace's. Because it
+is the engine's own code, the schedule is the real engine's step for step
+(tests/test_simulate.py checks it against the engine with a model); only time is modelled.
+
+Per (allocator, block size) the record holds the engine's stats (kv_utilization, waste
+split, mean / max batched sequences, preemptions, steps), per-request latencies on the
+virtual clock (normalized latency = (finish - arrival) / output tokens, mean; TTFT and
+TPOT p50 / p90 / p99), throughput in requests/s and output tokens/s of virtual time,
+and the wall time the simulation itself took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import time
+
+import numpy as np
+
+from experiments.step_time_model import StepTimeModel, step_features
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.loading import LoadedModel
+from paged_jax.runner import StepResult
+from paged_jax.sampling_params import SamplingParams
+
+SIMULATED_TOKEN_ID = 3  # what the model-free runner "samples": any id that is no stop token works
+
+
+class VirtualClock:
+    """Seconds of simulated time; the engine reads it where it would read time.monotonic."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimulatedRunner:
+    """ModelRunner's interface without a model: each step samples SIMULATED_TOKEN_ID for
+    every row and advances the clock by the step-time model's time for the step. No
+    device time is spent (device_seconds stays 0); swaps cost nothing in the model."""
+
+    num_compilations = 0
+
+    def __init__(self, model_config, params, config: EngineConfig, *, num_blocks: int, num_host_blocks: int,
+                 step_model: StepTimeModel, clock: VirtualClock):
+        del params, num_blocks, num_host_blocks
+        self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
+        self.device_seconds = 0.0
+        self._model, self._clock = step_model, clock
+        self._buckets = (config.seq_buckets, config.token_buckets) if step_model.bucketed else ()
+
+    def warm_up(self) -> None:
+        """Nothing to compile."""
+
+    def execute(self, output, seqs) -> StepResult:
+        del seqs
+        self._clock.now += self._model.seconds(*step_features(output, *self._buckets))
+        n = len(output.chunks)
+        return StepResult([SIMULATED_TOKEN_ID] * n, [0.0] * n, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTimes:
+    arrival: float
+    first_token: float
+    finish: float
+    num_output_tokens: int
+
+
+class Simulator:
+    """One simulated engine over one trace (requests sorted by arrival time).
+
+    `engine` is a real LLMEngine (`model_config` gives it a vocabulary and KV layout, no
+    weights); `times` fills with each finished request's virtual times.
+    """
+
+    def __init__(self, trace, config: EngineConfig, step_model: StepTimeModel, model_config):
+        if any(b.arrival_time < a.arrival_time for a, b in itertools.pairwise(trace)):
+            raise ValueError("the trace must be sorted by arrival time")
+        self.trace = trace
+        self.clock = VirtualClock()
+        factory = functools.partial(SimulatedRunner, step_model=step_model, clock=self.clock)
+        loaded = LoadedModel(model_config, None, None, "simulated", "none", 0.0)
+        self.engine = LLMEngine(loaded, config, runner_factory=factory, clock=self.clock, final_outputs_only=True)
+        self.times: dict[int, RequestTimes] = {}  # trace index -> times, filled as requests finish
+
+    def run(self, progress=None) -> dict:
+        """Serve the whole trace; returns the engine's stats plus latency and throughput
+        figures on the virtual clock and the wall seconds spent. `progress(n)` is called
+        with the number of requests that finished in each step. wall_seconds and
+        cpu_seconds (this process) time the simulation itself: on a shared machine the CPU
+        time is the steadier figure."""
+        engine, clock, trace = self.engine, self.clock, self.trace
+        start, cpu_start = time.perf_counter(), time.process_time()
+        next_index = 0
+        while next_index < len(trace) or engine.has_unfinished_requests():
+            while next_index < len(trace) and trace[next_index].arrival_time <= clock.now:
+                request = trace[next_index]
+                engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
+                                   SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
+                                   arrival_time=request.arrival_time)
+                next_index += 1
+            if not engine.has_unfinished_requests():  # idle until the next arrival
+                clock.now = trace[next_index].arrival_time
+                continue
+            finished = 0
+            for out in engine.step():
+                if out.finished:
+                    metrics = out.metrics
+                    self.times[int(out.request_id)] = RequestTimes(
+                        metrics["arrival_time"], metrics["first_token_time"], metrics["finish_time"],
+                        len(out.outputs[0].token_ids))
+                    finished += 1
+            if progress is not None and finished:
+                progress(finished)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
+                "cpu_seconds": cpu}
+
+
+def _percentiles(values, name: str) -> dict:
+    if not values:
+        return {f"{name}_p{q}": None for q in (50, 90, 99)}
+    return {f"{name}_p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)}
+
+
+def latency_figures(times: list[RequestTimes]) -> dict:
+    """Per-request latency on the virtual clock, summarized:
+
+    - normalized latency: (finish - arrival) / output tokens, mean over requests (the
+      paper's serving metric, Fig. 12);
+    - TTFT: first token - arrival; TPOT: (finish - first token) / (output tokens - 1),
+      over requests with at least two output tokens;
+    - throughput: requests and output tokens per second between the first arrival and
+      the last finish.
+    """
+    if not times:
+        return {"num_requests": 0}
+    normalized = [(t.finish - t.arrival) / t.num_output_tokens for t in times]
+    ttft = [t.first_token - t.arrival for t in times]
+    tpot = [(t.finish - t.first_token) / (t.num_output_tokens - 1) for t in times if t.num_output_tokens > 1]
+    duration = max(t.finish for t in times) - min(t.arrival for t in times)
+    output_tokens = sum(t.num_output_tokens for t in times)
+    return {
+        "num_requests": len(times), "output_tokens": output_tokens, "virtual_seconds": duration,
+        "requests_per_s": len(times) / duration if duration > 0 else math.inf,
+        "output_tokens_per_s": output_tokens / duration if duration > 0 else math.inf,
+        "mean_normalized_latency_s": float(np.mean(normalized)),
+        **_percentiles(ttft, "ttft_s"), **_percentiles(tpot, "tpot_s"),
+    }
+
+
+# ---- entry point ------------------------------------------------------------------------
+# flags live with main (below the library part) so that importing Simulator defines none
+def _define_flags():
+    from absl import flags
+
+    from paged_jax.engine_config import KV_ALLOCATORS, PREEMPTION_MODES
+    flags.DEFINE_enum("workload", "alpaca", ["sharegpt", "alpaca"], "Length statistics of the trace (alpaca: 100,000 "
+                      "requests simulate in about a minute of CPU; sharegpt takes ~6x longer).")
+    flags.DEFINE_integer("num_requests", 100_000, "Requests in the trace.")
+    flags.DEFINE_float("scale", 1.0, "Length scale of the trace (1.0: the data set's means).")
+    flags.DEFINE_float("request_rate", None, "Poisson arrivals per second of virtual time; unset or inf: all at t = 0.")
+    flags.DEFINE_list("kv_allocator", ["paged", "contiguous-max"], f"KV allocators to simulate, among {KV_ALLOCATORS}.")
+    flags.DEFINE_list("block_size", ["16"], "Block sizes to simulate (each with each allocator).")
+    flags.DEFINE_integer("num_blocks", None, "KV blocks incl. the null block (default: from the byte budget).")
+    flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV budget in bytes for --model_config's KV layout "
+                                                        "(default: the engine's, 512 MiB); the same for every block size.")
+    flags.DEFINE_integer("max_model_len", 2048, "Engine max_model_len (and the trace's length cap).")
+    flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step (default: what the step-time model was fitted on).")
+    flags.DEFINE_integer("max_num_batched_tokens", 256, "Tokens per step (default: as fitted).")
+    flags.DEFINE_enum("preemption_mode", "recompute", list(PREEMPTION_MODES), "Preemption of the paged allocator "
+                                                                             "(contiguous ones recompute).")
+    flags.DEFINE_bool("enable_prefix_caching", False, "Prefix caching for the paged allocator (a recomputed "
+                                                      "request then finds its own freed blocks).")
+    flags.DEFINE_string("step_time_model", "experiments/results/step_time_model.json",
+                        "JSON step-time model: calibrate_step_time.py's record, or a bare dict of coefficients.")
+    flags.DEFINE_string("model_config", "smollm2_135m", "configs preset: vocabulary and KV bytes per block.")
+    flags.DEFINE_integer("seed", 0, "Trace seed.")
+    flags.DEFINE_string("output", "simulate", "Result name: experiments/results/<output>.json.")
+
+
+def _row(allocator: str, block_size: int, config: EngineConfig, figures: dict) -> dict:
+    keys = ("kv_utilization", "waste_internal_slots", "waste_reservation_slots", "waste_external_slots",
+            "mean_batched_seqs", "max_batched_seqs", "mean_batched_tokens", "num_preemptions", "num_steps",
+            "num_requests", "output_tokens", "virtual_seconds", "requests_per_s", "output_tokens_per_s",
+            "mean_normalized_latency_s", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
+            "tpot_s_p99", "host_seconds_per_step", "wall_seconds", "cpu_seconds")
+    row = {"kv_allocator": allocator, "block_size": block_size, "num_blocks": config.num_blocks}
+    for key in keys:
+        value = figures.get(key)
+        row[key] = round(value, 6) if isinstance(value, float) else value
+    return row
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    from tqdm.auto import tqdm
+
+    import configs
+    from experiments.results_io import write_result
+    from experiments.workloads import make_trace
+    from paged_jax.kv_cache import bytes_per_block
+    f = flags.FLAGS
+    total_start, load_average_start = time.perf_counter(), os.getloadavg()
+    model_config = configs.get_config(f.model_config)
+    step_model = StepTimeModel.load(f.step_time_model)
+    rate = None if f.request_rate is None or math.isinf(f.request_rate) else f.request_rate
+    start = time.perf_counter()
+    trace = make_trace(f.workload, f.num_requests, seed=f.seed, scale=f.scale, max_model_len=f.max_model_len,
+                       vocab_size=model_config.vocab_size, request_rate=rate)
+    trace_seconds = time.perf_counter() - start
+    prompt_lens = [len(r.prompt_token_ids) for r in trace]
+    output_lens = [r.max_tokens for r in trace]
+    print(f"{len(trace)} {f.workload}-like requests (scale {f.scale}, "
+          f"{'all at t=0' if rate is None else f'{rate}/s'}): mean prompt {np.mean(prompt_lens):.1f}, mean output "
+          f"{np.mean(output_lens):.1f} tokens; trace made in {trace_seconds:.1f} s")
+    rows = []
+    for block_size in (int(b) for b in f.block_size):
+        for allocator in f.kv_allocator:
+            budget = f.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            num_blocks = f.num_blocks or budget // bytes_per_block(model_config, block_size, "float32")
+            config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=f.max_model_len,
+                                  max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
+                                  preemption_mode=f.preemption_mode if allocator == "paged" else "recompute",
+                                  enable_prefix_caching=f.enable_prefix_caching, kv_allocator=allocator,
+                                  attention_backend="reference")  # unused: no model runs
+            sim = Simulator(trace, config, step_model, model_config)
+            with tqdm(total=len(trace), desc=f"{allocator} block {block_size}", mininterval=1.0) as bar:
+                figures = sim.run(progress=bar.update)
+            rows.append(_row(allocator, block_size, config, figures))
+            del sim
+    total_seconds = time.perf_counter() - total_start
+    figures = {"model_config": f.model_config, "step_time_model": step_model.to_dict(),
+               "workload": f.workload, "request_rate": rate, "mean_prompt_tokens": float(np.mean(prompt_lens)),
+               "mean_output_tokens": float(np.mean(output_lens)), "trace_seconds": round(trace_seconds, 2),
+               "runs": rows, "wall_seconds_total": round(total_seconds, 2),
+               "load_average_start": load_average_start, "load_average_end": os.getloadavg(),
+               "note": "wall_seconds: the simulation itself (one allocator and block size); virtual_seconds and "
+                       "every latency / throughput: the virtual clock of the step-time model"}
+    flag_values = {name: f[name].value for name in (
+        "workload", "num_requests", "scale", "request_rate", "kv_allocator", "block_size", "num_blocks",
+        "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
+        "enable_prefix_caching", "step_time_model", "model_config", "seed", "output")}
+    print("wrote", write_result(f.output, flags=flag_values, figures=figures, seed=f.seed))
+    _print_table(rows)
+    print(f"total wall time {total_seconds:.1f} s")
+
+
+def _print_table(rows) -> None:
+    print(f"\n{'allocator':>17} {'block':>5} {'util':>6} {'intern.':>8} {'reserv.':>8} {'extern.':>8} {'batch':>6} "
+          f"{'preempt':>7} {'steps':>8} {'req/s':>7} {'tok/s':>8} {'norm.lat':>8} {'ttft50':>8} {'tpot50':>7} "
+          f"{'tpot99':>7} {'wall s':>7} {'cpu s':>7}")
+    for r in rows:
+        print(f"{r['kv_allocator']:>17} {r['block_size']:>5} {r['kv_utilization']:>6.3f} "
+              f"{r['waste_internal_slots']:>8.1f} {r['waste_reservation_slots']:>8.1f} "
+              f"{r['waste_external_slots']:>8.1f} {r['mean_batched_seqs']:>6.2f} {r['num_preemptions']:>7} "
+              f"{r['num_steps']:>8} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>8.1f} "
+              f"{r['mean_normalized_latency_s']:>8.3f} {r['ttft_s_p50']:>8.2f} {r['tpot_s_p50']:>7.3f} "
+              f"{r['tpot_s_p99']:>7.3f} {r['wall_seconds']:>7.1f} {r['cpu_seconds']:>7.1f}")
+
+
+if __name__ == "__main__":
+    from absl import app
+    from absl import flags as absl_flags
+    _define_flags()
+    absl_flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
