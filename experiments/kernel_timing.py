@@ -50,8 +50,14 @@ def decode_point(backend, block_size, num_seqs, context_len, num_heads, num_kv_h
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+    from pallas_kernels.paged_attention import (
+        paged_attention,
+        paged_attention_reference,
+    )
+    from pallas_kernels.ragged_paged_attention import (
+        ragged_paged_attention,
+        ragged_paged_attention_reference,
+    )
 
     device = jax.devices(backend)[0]
     rng = np.random.default_rng(seed)

@@ -32,8 +32,10 @@ def model_label(source) -> str:
         return "unknown model"
     if source.startswith("random:"):
         return f"random-weight {source.removeprefix('random:')}"
-    if source.endswith(".gguf"):
-        return os.path.basename(source).split(".")[0]
+    if source.startswith("the ") and source.endswith("(no weights)"):
+        return source
+    if ".gguf" in source:  # a path, maybe followed by " on <machine>, <backend>"
+        return os.path.basename(source.split(".gguf")[0]).split(".")[0] + source.split(".gguf", 1)[1]
     return os.path.basename(source.rstrip("/"))
 
 
@@ -207,7 +209,10 @@ def peer_hf(record: dict) -> list:
 
 def _setting(record: dict) -> str:
     fig, flags = record["figures"], record.get("flags") or {}
-    words = [model_label(fig.get("model") or flags.get("model"))]
+    model = fig.get("model") or flags.get("model")
+    if model is None and fig.get("model_config"):  # simulate: a config preset, no weights
+        model = f"the {fig['model_config']} config (no weights)"
+    words = [model_label(model)]
     if flags.get("num_requests") is not None:
         words.append(f"{flags['num_requests']} {workload_label(fig.get('workload') or flags.get('workload'))} requests")
     elif fig.get("workload") or flags.get("workload"):
@@ -285,14 +290,31 @@ def calibrate_step_time(record: dict) -> list:
     """The simulator's step-time model: its coefficients and its error on held-out steps."""
     fig = record["figures"]
     m, fit, holdout = fig["model"], fig["fit"], fig["holdout"]
+    chosen = next((f for f in (fig.get("fits") or {}).values() if f.get("model") == m), None)
+    if chosen is not None:  # calibrate_step_time keeps each fit's errors beside its model
+        fit, holdout = {**fit, **chosen["fit_error"]}, {**holdout, **chosen["holdout_error"]}
     return [((f"step-time model of the simulator (intercept + per token + per sequence + per context token), fitted "
              f"on {fit['num_steps']} engine steps of a {workload_label(fit.get('workload'))} trace, "
              f"{m.get('source') or 'unknown source'}; error on {holdout['num_steps']} held-out steps "
              f"({workload_label(holdout.get('workload'))})"),
              (f"{m['intercept_s'] * 1e3:.2f} ms + {m['per_token_s'] * 1e3:.3f} ms/token + {m['per_seq_s'] * 1e3:.3f} "
              f"ms/seq + {m['per_context_token_s'] * 1e6:.3f} us/context token; held-out relative error mean "
-             f"{holdout['mean_relative_error']:.3f}, p90 {holdout['p90_relative_error']:.3f} (fit: mean "
-             f"{fit['mean_relative_error']:.3f})"))]
+             f"{holdout['mean_relative_error']:.3f}, p90 {holdout['p90_relative_error']:.3f}"
+             + (f", summed time {holdout['total_relative_error']:.3f}" if "total_relative_error" in holdout else "")
+             + f" (fit: mean {fit['mean_relative_error']:.3f})"))]
+
+
+def tensor_parallel_memory(record: dict) -> list:
+    """Per-device bytes under tensor parallelism, as fractions of one device's."""
+    fig = record["figures"]
+    rows = [r for r in fig.get("runs", []) if r.get("tensor_parallel_size", 1) > 1]
+    if not rows:
+        return generic(record)
+    sizes = " / ".join(str(r["tensor_parallel_size"]) for r in rows)
+    value = "; ".join(f"N={r['tensor_parallel_size']}: parameters {r['param_fraction_of_first']:.4f}, KV "
+                      f"{r['kv_fraction_of_first']:.4f} (1/N = {r['ideal_fraction']:.4f})" for r in rows)
+    return [(f"tensor parallelism, {_setting(record)}, per-device bytes / one device's at N = {sizes} (forced CPU "
+             "devices)", value)]
 
 
 def generic(record: dict) -> list:
@@ -308,7 +330,7 @@ BUILDERS = {
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
-    "simulate": simulate,
+    "simulate": simulate, "tensor_parallel_memory": tensor_parallel_memory,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}

@@ -114,7 +114,7 @@ def test_step_time_model_row():
     [(figure, value)] = results_rows.calibrate_step_time(step_time_record())
     # 0.012 s = 12.00 ms, 0.0004 s = 0.400 ms, 0.0001 s = 0.100 ms, 2e-6 s = 2.000 us
     assert value == ("12.00 ms + 0.400 ms/token + 0.100 ms/seq + 2.000 us/context token; held-out relative "
-                     "error mean 0.080, p90 0.110 (fit: mean 0.050)")
+                     "error mean 0.080, p90 0.110, summed time 0.010 (fit: mean 0.050)")
     assert "300 engine steps of a ShareGPT-like trace, tiny on x86_64; error on 120 held-out steps (Alpaca-like)" in figure
     generic = results_rows.generic({**step_time_record(), "name": "x"})  # a dict "model" does not break it
     assert generic[0][0].startswith("`x`: tiny on x86_64")

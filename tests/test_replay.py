@@ -1,8 +1,8 @@
-"""experiments/serving_sweep.py: the real-time replay, its figures and the sustained rate."""
+"""experiments/replay.py (serving_sweep's core): the real-time replay, its figures and the sustained rate."""
 
 import pytest
 
-from experiments.serving_sweep import replay, summarize, sustained_rates
+from experiments.replay import replay, summarize, sustained_rates
 from experiments.workloads import make_trace
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig

@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: the parts of the jitted step, timed one by one.
+
+    python -m experiments.step_profile                        # SmolLM2-135M, batches 8 / 32 / 64
+    python -m experiments.step_profile --model=tiny_llama --num_seqs=4 --iters=3   # fast
+
+Why: on this CPU the engine's decode throughput is far below the matmul ceiling
+(BENCHMARKS.md: about 650 tok/s for SmolLM2 fp32), and throughput barely grows with the
+batch, which erases most of what paging buys. Before changing anything, measure which
+part of a step costs what, and how each part grows with the batch. For each --num_seqs
+(one decode token per sequence, every sequence at --context_len) this times, as
+separately jitted functions with the engine's own code:
+
+  layers_no_attention  the decoder (lax.scan over layers: norms, q/k/v/o and MLP matmuls,
+                       RoPE) with attention replaced by the identity
+  attention            the ragged Pallas kernel (interpret mode on CPU) and its jnp
+                       reference for one layer, times num_layers
+  logits               the head matmul for the batch's rows ([S, H] x [H, V])
+  logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
+  sample_greedy        sample_tokens with temperature 0
+  matmul_ceiling       one [S, H] x [H, I] matmul's FLOP rate, scaled to the model's FLOPs
+                       per token: the step time if every matmul ran at that rate
+
+Times are medians of --iters calls after a warm-up. Writes experiments/results/step_profile.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
+_NUM_SEQS = flags.DEFINE_list("num_seqs", ["8", "32", "64"], "Decode batch sizes.")
+_CONTEXT_LEN = flags.DEFINE_integer("context_len", 256, "Tokens in the cache of every sequence.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+_TOP_K = flags.DEFINE_integer("top_k", 20, "Top-K logprobs per row (EngineConfig.max_logprobs).")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed calls per part (median).")
+_OUTPUT = flags.DEFINE_string("output", "step_profile", "Result name: experiments/results/<output>.json.")
+
+
+def _median_ms(fn, *args, iters: int) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int, iters: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax.model import compute_logits, forward
+    from paged_jax.sampling import sample_tokens
+    from pallas_kernels.ragged_paged_attention import (
+        ragged_paged_attention,
+        ragged_paged_attention_reference,
+    )
+    cfg, params = model.config, model.params
+    n, rng = num_seqs, np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, n), jnp.int32)
+    positions = jnp.full((n,), context_len - 1, jnp.int32)
+    identity = lambda q, k, v, cache, layer, meta: (q, cache)
+    layers = jax.jit(lambda p, i, s: forward(p, cfg, i, s, {}, None, identity)[0])
+    blocks_per_seq = -(-context_len // block_size)
+    num_blocks = 1 + n * blocks_per_seq
+    kv_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(n, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    tables = jnp.asarray((1 + rng.permutation(num_blocks - 1)).reshape(n, blocks_per_seq), jnp.int32)
+    lens = jnp.full((n,), context_len, jnp.int32)
+    qsl = jnp.arange(n + 1, dtype=jnp.int32)
+    hidden = jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32)
+    logits = compute_logits(params, hidden)
+    keys = jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
+    zeros, ones = jnp.zeros(n), jnp.ones(n)
+    greedy = functools.partial(sample_tokens, temperature=zeros, top_k=jnp.zeros(n, jnp.int32), top_p=ones,
+                               min_p=zeros)
+    parts = {
+        "layers_no_attention": _median_ms(layers, params, ids, positions, iters=iters),
+        "attention_kernel": cfg.num_layers * _median_ms(jax.jit(ragged_paged_attention), q, k, v, tables, lens, qsl,
+                                                        iters=iters),
+        "attention_reference": cfg.num_layers * _median_ms(jax.jit(ragged_paged_attention_reference), q, k, v,
+                                                           tables, lens, qsl, iters=iters),
+        "logits": _median_ms(jax.jit(compute_logits), params, hidden, iters=iters),
+        "logprobs_top_k": _median_ms(jax.jit(lambda x: jax.lax.top_k(jax.nn.log_softmax(x, -1), top_k)), logits,
+                                     iters=iters),
+        "sample_greedy": _median_ms(jax.jit(lambda x, kk: greedy(x, keys=kk)), logits, keys, iters=iters),
+    }
+    # the ceiling: one MLP-shaped matmul's FLOP rate applied to the model's matmul FLOPs per token
+    x = jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.intermediate_size)), jnp.float32)
+    matmul_ms = _median_ms(jax.jit(lambda a, b: a @ b), x, w, iters=max(iters, 20))
+    gflops = 2 * n * cfg.hidden_size * cfg.intermediate_size / matmul_ms / 1e6
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
+    total_kernel = sum(v for k_, v in parts.items() if k_ != "attention_reference")
+    return {"num_seqs": n, "context_len": context_len, "parts_ms": parts, "step_ms_sum_kernel": round(total_kernel, 2),
+            "tokens_per_s_sum_kernel": round(n / total_kernel * 1e3, 1), "matmul_gflops": round(gflops, 1),
+            "gflop_per_token": round(flops_per_token / 1e9, 3),
+            "ceiling_step_ms": round(n * flops_per_token / gflops / 1e6, 2),
+            "ceiling_tokens_per_s": round(gflops * 1e9 / flops_per_token, 1)}
+
+
+def main(argv):
+    del argv
+    import os
+
+    from experiments.bench_models import load_for_benchmark
+    from experiments.results_io import write_result
+    from paged_jax.compilation_cache import enable_compilation_cache
+    enable_compilation_cache()
+    model = load_for_benchmark(_MODEL.value, _CONTEXT_LEN.value + 1)
+    rows = []
+    for n in (int(s) for s in _NUM_SEQS.value):
+        rows.append(profile(model, n, _CONTEXT_LEN.value, _BLOCK_SIZE.value, _TOP_K.value, _ITERS.value))
+        r = rows[-1]
+        print(f"batch {n:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["parts_ms"].items())
+              + f" ms; sum {r['step_ms_sum_kernel']:.1f} ms = {r['tokens_per_s_sum_kernel']:.0f} tok/s; ceiling "
+              f"{r['ceiling_step_ms']:.1f} ms ({r['matmul_gflops']:.0f} GFLOP/s)", flush=True)
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
+    print("wrote", write_result(_OUTPUT.value, flags=flag_values, seed=0,
+                                figures={"model": model.source, "rows": rows, "load_average_end": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
