@@ -54,6 +54,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _OUTPUT = flags.DEFINE_string("output", "benchmark_throughput", "Result name: experiments/results/<output>.json.")
 
 
+def _round(value, digits):
+    return None if value is None else round(value, digits)
+
+
 def main(argv):
     del argv
     from experiments.bench_models import load_for_benchmark
@@ -100,7 +104,7 @@ def main(argv):
             "waste_reservation_slots": round(stats["waste_reservation_slots"], 1),
             "waste_external_slots": round(stats["waste_external_slots"], 1),
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2), "max_batched_seqs": stats["max_batched_seqs"],
-            "saturated_mean_batched_seqs": round(stats["saturated_mean_batched_seqs"] or 0.0, 2),
+            "saturated_mean_batched_seqs": _round(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
             "num_saturated_steps": stats["num_saturated_steps"],
             "batched_seqs_timeline": batched[::stride], "timeline_stride": stride,
             "timeline_complete": stats["num_steps"] == len(batched),
@@ -132,7 +136,7 @@ def main(argv):
     for r in rows:
         print(f"{r['kv_allocator']:>17} {r['kv_utilization']:>6.3f} {r['waste_internal_slots']:>8.1f} "
               f"{r['waste_reservation_slots']:>8.1f} {r['waste_external_slots']:>8.1f} {r['mean_batched_seqs']:>6.2f} "
-              f"{r['saturated_mean_batched_seqs']:>6.2f} "
+              f"{r['saturated_mean_batched_seqs'] or float('nan'):>6.2f} "
               f"{r['max_batched_seqs']:>4} {r['requests_per_s']:>7.3f} {r['output_tokens_per_s']:>7.1f} "
               f"{r['wall_seconds']:>7.1f} {r['num_preemptions']:>7}")
     for name, value in sorted(ratios.items()):

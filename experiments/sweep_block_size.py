@@ -67,11 +67,15 @@ def _run(llm_cls, model, trace, settings: dict) -> dict:
     assert tokens == sum(r.max_tokens for r in trace), "ignore_eos: every request runs to its max_tokens"
     assert stats["num_compilations_after_warm_up"] == 0
     return {"kv_utilization": round(stats["kv_utilization"], 4),
-            "saturated_mean_batched_seqs": round(stats["saturated_mean_batched_seqs"] or 0.0, 2),
+            "saturated_mean_batched_seqs": _round(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2), "num_blocks": stats["num_blocks_total"],
             "output_tokens_per_s": round(tokens / seconds, 2), "wall_seconds": round(seconds, 2),
             "num_preemptions": stats["num_preemptions"], "output_tokens": tokens,
             "device_seconds_per_step": round(stats["device_seconds_per_step"], 5)}
+
+
+def _round(value, digits):
+    return None if value is None else round(value, digits)
 
 
 def main(argv):
@@ -109,7 +113,7 @@ def main(argv):
             rows.append({"workload": workload, "block_size": block_size, **row,
                          "kernel_ms": kernel[-1]["kernel_ms"]})
             print(f"{workload:>8} block {block_size:>3}: utilization {row['kv_utilization']:.3f}, batch "
-                  f"{row['saturated_mean_batched_seqs']:.1f}, {row['output_tokens_per_s']:.1f} tok/s, kernel "
+                  f"{row['saturated_mean_batched_seqs'] or row['mean_batched_seqs']:.1f}, {row['output_tokens_per_s']:.1f} tok/s, kernel "
                   f"{kernel[-1]['kernel_ms']:.2f} ms", flush=True)
         if _SKIP_PREEMPTION.value:
             continue
@@ -127,7 +131,8 @@ def main(argv):
     print(f"\n{'workload':>8} {'block':>5} {'util':>6} {'batch':>6} {'tok/s':>7} {'kernel ms':>9}")
     for r in rows:
         print(f"{r['workload']:>8} {r['block_size']:>5} {r['kv_utilization']:>6.3f} "
-              f"{r['saturated_mean_batched_seqs']:>6.1f} {r['output_tokens_per_s']:>7.1f} {r['kernel_ms']:>9.2f}")
+              f"{r['saturated_mean_batched_seqs'] or r['mean_batched_seqs']:>6.1f} {r['output_tokens_per_s']:>7.1f} "
+              f"{r['kernel_ms']:>9.2f}")
     for r in preemption:
         print(f"{'tight':>8} {r['block_size']:>5} {r['preemption_mode']:>9} {r['num_preemptions']:>4} preemptions "
               f"{r['output_tokens_per_s']:>7.1f} tok/s")
