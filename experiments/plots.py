@@ -244,7 +244,7 @@ def sharing_savings(record: dict, out_dir: str) -> str:
 PLOTS = {
     "utilization_waste": ("benchmark_throughput.json", utilization_waste),
     "batched_timeline": ("benchmark_throughput.json", batched_timeline),
-    "latency_vs_rate": ("serving_sweep.json", latency_vs_rate),
+    "latency_vs_rate": ("serving_sweep_kv2.json", latency_vs_rate),
     "block_size_sweep": ("sweep_block_size.json", block_size_sweep),
     "sharing_savings": ("sharing_savings.json", sharing_savings),
 }

@@ -317,6 +317,19 @@ def tensor_parallel_memory(record: dict) -> list:
              "devices)", value)]
 
 
+def step_profile(record: dict) -> list:
+    """Parts of a decode step by batch size, against the matmul ceiling."""
+    fig = record["figures"]
+    rows = fig["rows"]
+    batches = " / ".join(str(r["num_seqs"]) for r in rows)
+    parts = list(rows[0]["parts_ms"])
+    value = "; ".join(f"{r['num_seqs']}: " + ", ".join(f"{r['parts_ms'][k]:.0f}" for k in parts)
+                      + f" ms (sum {r['tokens_per_s_sum_kernel']:.0f} tok/s, ceiling {r['ceiling_tokens_per_s']:.0f})"
+                      for r in rows)
+    return [(f"decode step by part, {_setting(record)}, context {rows[0]['context_len']}, batch {batches}: "
+             + ", ".join(parts), value)]
+
+
 def generic(record: dict) -> list:
     """A record of a script no builder knows: its name, setting and first scalar figures."""
     fig = record.get("figures") or {}
@@ -331,6 +344,7 @@ BUILDERS = {
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "tensor_parallel_memory": tensor_parallel_memory,
+    "step_profile": step_profile,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}

@@ -1,6 +1,6 @@
 """Normalized latency against request rate, per KV allocator (the paper's Fig. 12).
 
-    python -m experiments.serving_sweep --request_rates=0.5,1,2,4 --num_requests=60
+    python -m experiments.serving_sweep --num_requests=40 --output=serving_sweep_kv2   # the committed run
     python -m experiments.serving_sweep --model=tiny_llama --request_rates=2,8 --num_requests=16   # fast
 
 Why: offline throughput hides what a serving system is judged on, the request rate it
@@ -30,10 +30,10 @@ _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model sou
 _WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Length statistics of the trace.")
 _SCALE = flags.DEFINE_float("scale", 0.1, "Length scale of the trace (1.0: the data set's means).")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 60, "Requests per (allocator, rate) point.")
-_RATES = flags.DEFINE_list("request_rates", ["0.5", "1", "2", "4"], "Poisson arrival rates (requests/s).")
+_RATES = flags.DEFINE_list("request_rates", ["1", "2", "4", "8"], "Poisson arrival rates (requests/s).")
 _ALLOCATORS = flags.DEFINE_list("kv_allocator", list(ALLOCATORS), "KV allocators to run, in order.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block (every allocator).")
-_KV_SEQS = flags.DEFINE_integer("kv_seqs", 4, "KV budget in max_model_len-long sequences (unless --num_blocks).")
+_KV_SEQS = flags.DEFINE_integer("kv_seqs", 2, "KV budget in max_model_len-long sequences (unless --num_blocks).")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "KV blocks incl. the null block (overrides --kv_seqs).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "Engine max_model_len (and the trace's cap).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step.")

@@ -77,7 +77,7 @@ def test_make_plots_skips_missing_inputs_and_old_schemas(tmp_path, capsys):
     shutil.copy(os.path.join(RESULTS_DIR, "sharing_savings.json"), results / "sharing_savings.json")
     made = plots.make_plots(str(results), str(tmp_path / "out"))
     printed = capsys.readouterr().out
-    assert made["latency_vs_rate"] is None and "skip latency_vs_rate" in printed and "serving_sweep.json" in printed
+    assert made["latency_vs_rate"] is None and "skip latency_vs_rate" in printed and "serving_sweep_kv2.json" in printed
     assert made["block_size_sweep"] is None and "skip block_size_sweep" in printed
     assert made["batched_timeline"] is None and "skip batched_timeline" in printed
     assert sorted(os.listdir(tmp_path / "out")) == ["sharing_savings.png", "utilization_waste.png"]
