@@ -137,9 +137,9 @@ def test_a_wrong_command_is_rebuilt_from_the_records_flags():
     assert command.rebuilt and command.module == "engine_metrics"
     assert command.text == "python -m experiments.engine_metrics --measure=attention_backends"
     # a complete command is kept as it is
-    record = _load("benchmark_throughput_paged_rerun.json")
+    record = _load("serving_sweep_kv2.json")
     assert result_commands.reproducing_command(record) == result_commands.Command(record["command"],
-                                                                                   "benchmark_throughput", False)
+                                                                                   "serving_sweep", False)
 
 
 def test_a_flag_missing_from_the_command_and_off_default_is_added():
