@@ -24,6 +24,7 @@ sequence it has already grown nor swaps in and out in the same step.
 
 from __future__ import annotations
 
+from paged_jax.block_manager_invariants import broken_invariants
 from paged_jax.block_pool import BlockPool, KVCacheBlock
 
 
@@ -377,35 +378,6 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError listing every broken invariant (see the class docstring)."""
-        problems = [f"device pool: {p}" for p in self._device.check_invariants()]
-        problems += [f"host pool: {p}" for p in self._host.check_invariants()]
-        if not self._swapped <= self._tables.keys():
-            problems.append(f"swapped ids {self._swapped - self._tables.keys()} have no table")
-        if self._tables.keys() != self._num_tokens.keys():
-            problems.append("block tables and token counts name different sequences")
-        for side, pool in (("device", self._device), ("host", self._host)):
-            holders = {id(b): 0 for b in pool.blocks}  # id(block) -> tables holding it
-            for seq_id, table in self._tables.items():
-                if (seq_id in self._swapped) != (side == "host"):
-                    continue
-                needed = self.num_blocks_needed(self._num_tokens.get(seq_id, 0))
-                if len(table) != needed:
-                    problems.append(
-                        f"sequence {seq_id}: {len(table)} blocks for "
-                        f"{self._num_tokens.get(seq_id)} tokens, expected {needed}")
-                for block in table:
-                    if block is pool.null_block:
-                        problems.append(f"sequence {seq_id} holds the null block")
-                    elif id(block) not in holders:
-                        problems.append(
-                            f"sequence {seq_id} holds block {block.block_id} "
-                            f"that is not in the {side} pool")
-                    else:
-                        holders[id(block)] += 1
-            for block in pool.blocks:
-                if block is not pool.null_block and block.ref_count != holders[id(block)]:
-                    problems.append(
-                        f"{side} block {block.block_id}: ref_count {block.ref_count} but "
-                        f"{holders[id(block)]} tables hold it")
+        problems = broken_invariants(self)
         if problems:
             raise AssertionError("block manager invariants broken:\n  " + "\n  ".join(problems))
