@@ -330,6 +330,15 @@ def step_profile(record: dict) -> list:
              + ", ".join(parts), value)]
 
 
+def step_time_vs_cache_size(record: dict) -> list:
+    """Median decode step time at one batch for several KV pool sizes."""
+    fig = record["figures"]
+    rows = fig["rows"]
+    return [(f"decode step of {fig['num_seqs']} sequences, {_setting(record)}, by KV pool size: "
+             + " / ".join(f"{r['num_blocks']} blocks" for r in rows),
+             " / ".join(f"{r['device_ms_median']:.1f} ms" for r in rows))]
+
+
 def generic(record: dict) -> list:
     """A record of a script no builder knows: its name, setting and first scalar figures."""
     fig = record.get("figures") or {}
@@ -344,7 +353,7 @@ BUILDERS = {
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "tensor_parallel_memory": tensor_parallel_memory,
-    "step_profile": step_profile,
+    "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}

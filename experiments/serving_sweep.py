@@ -67,7 +67,8 @@ def main(argv):
               for rate in rates}
     curves = {}
     for allocator in _ALLOCATORS.value:
-        engine = LLMEngine(model, EngineConfig(kv_allocator=allocator, **settings))
+        # the replay reads finished requests only: no per-step outputs for running ones
+        engine = LLMEngine(model, EngineConfig(kv_allocator=allocator, **settings), final_outputs_only=True)
         curves[allocator] = []
         for rate in rates:
             steps, batched = engine.stats_tracker.num_steps, engine.stats_tracker.num_batched_seqs

@@ -53,10 +53,11 @@ _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _OUTPUT = flags.DEFINE_string("output", "sweep_block_size", "Result name: experiments/results/<output>.json.")
 
 
-def _run(llm_cls, model, trace, settings: dict) -> dict:
+def _run(model, trace, settings: dict) -> dict:
     """One engine on one trace: its stats and throughput (warm-up excluded)."""
+    from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
-    llm = llm_cls(model, **settings)
+    llm = LLM(model, **settings)
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace]
     start = time.perf_counter()
@@ -87,7 +88,6 @@ def main(argv):
     from experiments.results_io import write_result
     from experiments.workloads import make_trace
     from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
     enable_compilation_cache()
     block_sizes = [int(b) for b in _BLOCK_SIZES.value]
     max_len = _MAX_MODEL_LEN.value
@@ -108,7 +108,7 @@ def main(argv):
                        "reference_ms": k["ragged_paged_attention_reference"]["ms"], "dense_ms": k["dense"]["ms"],
                        "max_abs_err_vs_dense": k["ragged_paged_attention"]["max_abs_err_vs_dense"]})
         for workload, trace in traces.items():
-            row = _run(LLM, model, trace, {**common, "block_size": block_size,
+            row = _run(model, trace, {**common, "block_size": block_size,
                                            "kv_cache_memory_bytes": _KV_BYTES.value})
             rows.append({"workload": workload, "block_size": block_size, **row,
                          "kernel_ms": kernel[-1]["kernel_ms"]})
@@ -119,7 +119,7 @@ def main(argv):
             continue
         tight = _TIGHT_KV_SEQS.value * -(-max_len // block_size) + 1
         for mode in ("recompute", "swap"):
-            row = _run(LLM, model, traces[_WORKLOADS.value[0]], {**common, "block_size": block_size,
+            row = _run(model, traces[_WORKLOADS.value[0]], {**common, "block_size": block_size,
                                                                  "num_blocks": tight, "preemption_mode": mode})
             preemption.append({"block_size": block_size, "preemption_mode": mode, **row})
             print(f"   tight block {block_size:>3} {mode:>9}: {row['num_preemptions']} preemptions, "
