@@ -44,6 +44,10 @@ class EngineStats:
         self._waiting_at_schedule = False
         self.num_saturated_steps = 0
         self.saturated_batched_seqs = 0
+        # and what those steps produced in their wall time: the throughput the budget
+        # sustains under load (the paper's sustained rate), without the end-of-trace drain
+        self.saturated_seconds = 0.0
+        self.saturated_sampled_tokens = 0
         self._compilations_at_warm_up = runner.num_compilations
         # (num_seqs, num_tokens, host_seconds, device_seconds) of recent steps
         self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG_LENGTH)
@@ -70,6 +74,8 @@ class EngineStats:
         if self._waiting_at_schedule:
             self.num_saturated_steps += 1
             self.saturated_batched_seqs += len(output.chunks)
+            self.saturated_seconds += step_seconds
+            self.saturated_sampled_tokens += sum(chunk.sample for chunk in output.chunks)
         self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
                               device_seconds))
 
@@ -107,6 +113,9 @@ class EngineStats:
             "saturated_mean_batched_seqs": (self.saturated_batched_seqs / self.num_saturated_steps
                                             if self.num_saturated_steps else None),
             "num_saturated_steps": self.num_saturated_steps,
+            # tokens sampled per second of wall time over those steps (None if none waited)
+            "saturated_tokens_per_s": (self.saturated_sampled_tokens / self.saturated_seconds
+                                       if self.saturated_seconds else None),
             "mean_batched_tokens": self.num_batched_tokens / steps,
             "host_seconds_per_step": self.host_seconds / steps,
             "device_seconds_per_step": self.device_seconds / steps,
