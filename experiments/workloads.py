@@ -37,30 +37,32 @@ class Request:
     beam_width: int = 0  # 0: no beam search ("beam")
 
 
-def _lognormal(rng, mean: float, size: int) -> np.ndarray:
-    mu = math.log(mean) - SIGMA**2 / 2
-    return np.maximum(1, np.round(rng.lognormal(mu, SIGMA, size))).astype(int)
+def _lognormal(rng, mean: float, size: int, sigma: float) -> np.ndarray:
+    mu = math.log(mean) - sigma**2 / 2
+    return np.maximum(1, np.round(rng.lognormal(mu, sigma, size))).astype(int)
 
 
 def make_trace(workload: str, num_requests: int, *, seed: int = 0, scale: float = 1.0, max_model_len: int = 2048,
                vocab_size: int = 49152, request_rate: float | None = None, first_token_id: int = 3,
-               prefix_len: int = PAPER_PREFIX_LENS[0], n: int = 4, beam_width: int = 4) -> list[Request]:
+               prefix_len: int = PAPER_PREFIX_LENS[0], n: int = 4, beam_width: int = 4,
+               sigma: float = SIGMA) -> list[Request]:
     """`num_requests` requests of `workload` (one of WORKLOADS); Poisson arrivals at
     `request_rate` per second, or all at t = 0 when it is None. `prefix_len` applies to
     "shared-prefix" (the prefix is not scaled: it is the paper's prompt), `n` to
-    "sampling", `beam_width` to "beam"."""
+    "sampling", `beam_width` to "beam". `sigma` is the log-normal spread of both lengths
+    (the means stay the data set's)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; available: {list(WORKLOADS)}")
-    if scale <= 0 or num_requests < 1:
-        raise ValueError("scale must be > 0 and num_requests >= 1")
+    if scale <= 0 or num_requests < 1 or sigma < 0:
+        raise ValueError("scale must be > 0, num_requests >= 1 and sigma >= 0")
     shared = prefix_len if workload == "shared-prefix" else 0
     if not 0 <= shared < max_model_len - 1:
         raise ValueError(f"prefix_len={prefix_len} leaves no room in max_model_len={max_model_len}")
     rng = np.random.default_rng(seed)
     mean_prompt, mean_output = DATASETS[VARIANTS.get(workload, workload)]
     prefix = tuple(int(t) for t in rng.integers(first_token_id, vocab_size, shared))
-    prompt_lens = np.minimum(_lognormal(rng, mean_prompt * scale, num_requests), max_model_len - shared - 1)
-    output_lens = np.minimum(_lognormal(rng, mean_output * scale, num_requests), max_model_len - shared - prompt_lens)
+    prompt_lens = np.minimum(_lognormal(rng, mean_prompt * scale, num_requests, sigma), max_model_len - shared - 1)
+    output_lens = np.minimum(_lognormal(rng, mean_output * scale, num_requests, sigma), max_model_len - shared - prompt_lens)
     if request_rate is None:
         arrivals = np.zeros(num_requests)
     else:
@@ -69,3 +71,11 @@ def make_trace(workload: str, num_requests: int, *, seed: int = 0, scale: float 
     return [Request(prefix + tuple(int(t) for t in rng.integers(first_token_id, vocab_size, p)), int(m), float(a),
                     **extra)
             for p, m, a in zip(prompt_lens, output_lens, arrivals)]
+
+
+def fluid_ratio(prompt_lens, output_lens) -> float:
+    """E[o (p + o)] / E[o (p + o / 2)]: memory per running request, oracle over paged, when
+    the running set is weighted by output length and a paged request is on average half
+    way through its output (no block rounding, no fragmentation)."""
+    p, o = np.asarray(prompt_lens, float), np.asarray(output_lens, float)
+    return float(np.sum(o * (p + o)) / np.sum(o * (p + o / 2)))

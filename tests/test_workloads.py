@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from experiments.workloads import DATASETS, make_trace
+from experiments.workloads import DATASETS, fluid_ratio, make_trace
 
 
 @pytest.mark.parametrize("workload", sorted(DATASETS))
@@ -14,6 +14,16 @@ def test_lengths_follow_the_data_set_means(workload):
     assert np.mean([r.max_tokens for r in trace]) == pytest.approx(mean_output, rel=0.03)
     scaled = make_trace(workload, 20000, seed=1, scale=0.25, max_model_len=100000)
     assert np.mean([r.max_tokens for r in scaled]) == pytest.approx(mean_output * 0.25, rel=0.05)
+
+
+@pytest.mark.parametrize("sigma", [0.4, 1.2])
+def test_sigma_sets_the_spread_and_keeps_the_mean(sigma):
+    trace = make_trace("sharegpt", 20000, seed=3, max_model_len=10**6, sigma=sigma)
+    outputs = np.array([r.max_tokens for r in trace], float)
+    assert np.mean(outputs) == pytest.approx(338, rel=0.04)
+    # log-normal: std / mean = sqrt(exp(sigma^2) - 1); the log of the lengths has std sigma
+    assert np.std(np.log(outputs)) == pytest.approx(sigma, rel=0.05)
+    assert np.std(outputs) / np.mean(outputs) == pytest.approx(np.sqrt(np.expm1(sigma**2)), rel=0.15)
 
 
 def test_cap_seed_and_arrivals():
@@ -44,3 +54,11 @@ def test_sampling_and_beam_variants():
     assert {(r.n, r.beam_width) for r in make_trace("alpaca", 10)} == {(1, 0)}
     with pytest.raises(ValueError, match="unknown workload"):
         make_trace("lmsys", 3)
+
+
+def test_fluid_ratio_by_hand():
+    # no prompts: oracle holds o, paged o / 2 on average -> 2; p = o: 2o / 1.5o = 4 / 3
+    assert fluid_ratio([0, 0], [10, 30]) == pytest.approx(2.0)
+    assert fluid_ratio([10, 10], [10, 10]) == pytest.approx(4 / 3)
+    # weighted by output length: (1*(1+1) + 9*(1+9)) / (1*(1+0.5) + 9*(1+4.5)) = 92 / 51
+    assert fluid_ratio([1, 1], [1, 9]) == pytest.approx(92 / 51)
