@@ -22,14 +22,22 @@ def replay(engine, trace, params_for, clock=time.monotonic, sleep=time.sleep) ->
     start = clock()
     pending = collections.deque(sorted(enumerate(trace), key=lambda item: item[1].arrival_time))
     done = []
+
+    def admit_next():
+        i, request = pending.popleft()
+        engine.add_request(str(i), {"prompt_token_ids": list(request.prompt_token_ids)}, params_for(request),
+                           arrival_time=start + request.arrival_time)
+
     while pending or engine.has_unfinished_requests():
         now = clock() - start
         while pending and pending[0][1].arrival_time <= now:
-            i, request = pending.popleft()
-            engine.add_request(str(i), {"prompt_token_ids": list(request.prompt_token_ids)}, params_for(request),
-                               arrival_time=start + request.arrival_time)
+            admit_next()
         if not engine.has_unfinished_requests():
             sleep(max(0.0, pending[0][1].arrival_time - (clock() - start)))
+            # the next request has arrived now; admit it without reading the clock again:
+            # a virtual clock can land an ulp short of the arrival, and re-checking would
+            # then sleep for ~0 s forever
+            admit_next()
             continue
         for output in engine.step():
             if output.finished:

@@ -2,6 +2,7 @@
 
     python -m experiments.serving_sweep --num_requests=40 --output=serving_sweep_kv2   # the committed run
     python -m experiments.serving_sweep --model=tiny_llama --request_rates=2,8 --num_requests=16   # fast
+    python -m experiments.serving_sweep --simulate --num_requests=2000 --output=serving_sweep_simulated
 
 Why: offline throughput hides what a serving system is judged on, the request rate it
 sustains before latency runs away. For each allocator (`--kv_allocator`, same model, KV
@@ -13,12 +14,20 @@ token and finish times come from the engine's own metrics. Per point: normalized
 (end-to-end latency / output tokens, mean over requests, the paper's y axis), TTFT and
 TPOT percentiles, output tokens/s and mean batched requests.
 
+With --simulate the same replay runs on the simulator's engine (experiments/simulate.py:
+the real scheduler and allocators, no model, a virtual clock advanced by the fitted
+step-time model): a point of thousands of requests takes seconds, so the traces are long
+enough for queues to build up past an allocator's capacity, which a real-time run of a
+few dozen requests on this CPU cannot show (its latency is bounded by the short trace).
+
 The sustained rate of an allocator is the highest rate whose mean normalized latency
 stays within `--slo_factor` times the lowest normalized latency any allocator reached
 (one yardstick for all); None if even the lowest rate misses it.
 """
 
 from __future__ import annotations
+
+import time
 
 from absl import app, flags
 
@@ -40,6 +49,12 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step.")
 _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 128, "Tokens per step.")
 _SLO_FACTOR = flags.DEFINE_float("slo_factor", 2.0, "Sustained: mean normalized latency <= this x the best seen.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed (the same traces for every allocator).")
+_SIMULATE = flags.DEFINE_bool("simulate", False, "Replay on the simulator (virtual clock, --step_time_model) instead "
+                                                 "of running --model.")
+_STEP_TIME_MODEL = flags.DEFINE_string("step_time_model", "experiments/results/step_time_model.json",
+                                       "With --simulate: the step-time model (experiments/calibrate_step_time.py).")
+_MODEL_CONFIG = flags.DEFINE_string("model_config", "smollm2_135m", "With --simulate: configs preset for the "
+                                                                    "vocabulary and KV layout.")
 _OUTPUT = flags.DEFINE_string("output", "serving_sweep", "Result name: experiments/results/<output>.json.")
 
 
@@ -55,24 +70,30 @@ def main(argv):
     if set(_ALLOCATORS.value) - set(ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {ALLOCATORS}; got {_ALLOCATORS.value}")
     rates = sorted(float(r) for r in _RATES.value)
-    enable_compilation_cache()
-    model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
+    if _SIMULATE.value:
+        model_config, make_engine, clock, sleep, source = _simulated()
+    else:
+        enable_compilation_cache()
+        model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
+        make_engine = lambda config: LLMEngine(model, config, final_outputs_only=True)
+        clock, sleep, source = time.monotonic, time.sleep, model.source
+        model_config = model.config
     max_len = _MAX_MODEL_LEN.value
     settings = {"block_size": _BLOCK_SIZE.value, "max_model_len": max_len, "max_num_seqs": _MAX_NUM_SEQS.value,
                 "max_num_batched_tokens": _MAX_BATCHED.value, "enable_prefix_caching": False,
                 "num_blocks": _NUM_BLOCKS.value or _KV_SEQS.value * -(-max_len // _BLOCK_SIZE.value) + 1}
     params_for = lambda r: SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
     traces = {rate: make_trace(_WORKLOAD.value, _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
-                               max_model_len=max_len, vocab_size=model.config.vocab_size, request_rate=rate)
+                               max_model_len=max_len, vocab_size=model_config.vocab_size, request_rate=rate)
               for rate in rates}
     curves = {}
     for allocator in _ALLOCATORS.value:
         # the replay reads finished requests only: no per-step outputs for running ones
-        engine = LLMEngine(model, EngineConfig(kv_allocator=allocator, **settings), final_outputs_only=True)
+        engine = make_engine(EngineConfig(kv_allocator=allocator, **settings))
         curves[allocator] = []
         for rate in rates:
             steps, batched = engine.stats_tracker.num_steps, engine.stats_tracker.num_batched_seqs
-            records = replay(engine, traces[rate], params_for)
+            records = replay(engine, traces[rate], params_for, clock=clock, sleep=sleep)
             point = {"request_rate": rate, **summarize(records),
                      "mean_batched_seqs": (engine.stats_tracker.num_batched_seqs - batched)
                      / max(1, engine.stats_tracker.num_steps - steps)}
@@ -83,12 +104,22 @@ def main(argv):
         assert engine.stats()["num_compilations_after_warm_up"] == 0
         del engine
     sustained = sustained_rates(curves, _SLO_FACTOR.value)
-    figures = {"model": model.source, "workload": _WORKLOAD.value, "scale": _SCALE.value, "engine_settings": settings,
+    figures = {"model": source, "simulated": _SIMULATE.value, "workload": _WORKLOAD.value, "scale": _SCALE.value, "engine_settings": settings,
                "allocators": [{"kv_allocator": a, "points": p} for a, p in curves.items()],
                "sustained_rate": sustained, "slo_factor": _SLO_FACTOR.value}
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures=figures, seed=_SEED.value))
     print("sustained rate (requests/s):", sustained)
+
+
+def _simulated():
+    """(model config, engine factory, clock, sleep, source label) for --simulate."""
+    import configs
+    from experiments.simulate import simulated_serving
+    from experiments.step_time_model import StepTimeModel
+    model_config = configs.get_config(_MODEL_CONFIG.value)
+    make_engine, clock, sleep = simulated_serving(model_config, StepTimeModel.load(_STEP_TIME_MODEL.value))
+    return model_config, make_engine, clock, sleep, f"the {_MODEL_CONFIG.value} config (no weights)"
 
 
 if __name__ == "__main__":

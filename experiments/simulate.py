@@ -98,10 +98,8 @@ class Simulator:
         if any(b.arrival_time < a.arrival_time for a, b in itertools.pairwise(trace)):
             raise ValueError("the trace must be sorted by arrival time")
         self.trace = trace
-        self.clock = VirtualClock()
-        factory = functools.partial(SimulatedRunner, step_model=step_model, clock=self.clock)
-        loaded = LoadedModel(model_config, None, None, "simulated", "none", 0.0)
-        self.engine = LLMEngine(loaded, config, runner_factory=factory, clock=self.clock, final_outputs_only=True)
+        make_engine, self.clock, _ = simulated_serving(model_config, step_model)
+        self.engine = make_engine(config)
         self.times: dict[int, RequestTimes] = {}  # trace index -> times, filled as requests finish
 
     def run(self, progress=None) -> dict:
@@ -136,6 +134,24 @@ class Simulator:
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
                 "cpu_seconds": cpu}
+
+
+def simulated_serving(model_config, step_model: StepTimeModel):
+    """(make_engine(config), clock, sleep) for running engines in virtual time (the
+    Simulator; experiments/replay.py under serving_sweep --simulate): one VirtualClock
+    shared by the driver, the engines' metrics and their SimulatedRunners; `sleep`
+    advances it. `model_config` gives a vocabulary and KV layout, no weights."""
+    model = LoadedModel(model_config, None, None, "simulated", "none", 0.0)
+    clock = VirtualClock()
+
+    def make_engine(config: EngineConfig) -> LLMEngine:
+        factory = functools.partial(SimulatedRunner, step_model=step_model, clock=clock)
+        return LLMEngine(model, config, runner_factory=factory, clock=clock, final_outputs_only=True)
+
+    def sleep(seconds: float) -> None:
+        clock.now += max(0.0, seconds)
+
+    return make_engine, clock, sleep
 
 
 def _percentiles(values, name: str) -> dict:

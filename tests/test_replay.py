@@ -71,3 +71,31 @@ def test_replay_admits_requests_at_their_arrival(tiny_llama):
         assert arrival <= at - start <= arrival + 0.05, (request_id, arrival, at - start)  # not early, not late
     for r in records:
         assert r["arrival"] <= r["first_token"] <= r["finish"]
+
+
+def test_replay_ends_when_sleeping_lands_short_of_an_arrival(tiny_llama):
+    """A virtual clock far from 0 cannot always land exactly on an arrival (adding 2e-15
+    to 234.5 changes nothing); the replay must still admit the request and finish."""
+    class ShortClock:
+        def __init__(self):
+            self.now, self.sleeps = 234.5007436465598, 0
+
+        def __call__(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.sleeps += 1
+            assert self.sleeps < 1000, "the replay keeps sleeping without admitting the next request"
+            self.now += seconds * (1 - 1e-9)  # always a little short
+
+    clock = ShortClock()
+    engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                                                attention_backend="reference", num_blocks=17),
+                       clock=clock, final_outputs_only=True)
+    trace = make_trace("alpaca", 4, seed=1, scale=0.1, max_model_len=64, vocab_size=256, request_rate=0.01)
+    records = replay(engine, trace, lambda r: SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+                     clock=clock, sleep=clock.sleep)
+    assert len(records) == 4
+    # the engine's clock never moves while a step runs here: each request is served at its
+    # (nearly reached) arrival
+    assert all(r["finish"] - r["arrival"] < 1e-6 * max(1.0, r["arrival"]) + 1e-6 for r in records)

@@ -17,7 +17,7 @@ import pytest
 import configs
 from experiments.simulate import Simulator, latency_figures
 from experiments.step_time_model import StepTimeModel, fit_error
-from experiments.workloads import Request, make_trace
+from experiments.workloads import Request, fluid_ratio, make_trace
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig
 from paged_jax.runner import ModelRunner
@@ -247,3 +247,45 @@ def test_a_bucketed_model_charges_the_padded_shape():
                     configs.get_config("tiny_llama"))
     sim.run()
     assert [sim.times[0].first_token, sim.times[0].finish] == pytest.approx([3.2, 6.4])
+
+
+def test_paged_gains_more_over_the_oracle_when_output_lengths_spread():
+    """experiments/batching_vs_spread.py's claim in small: paged batches more than an
+    oracle reservation, and more so the more output lengths spread (the fluid ratio's
+    trend), on the same means and budget."""
+    config = dict(block_size=4, max_model_len=256, max_num_seqs=64, max_num_batched_tokens=64,
+                  attention_backend="reference", enable_prefix_caching=False, num_blocks=129)
+    ratios, fluid = {}, {}
+    for sigma in (0.3, 1.2):
+        trace = make_trace("sharegpt", 300, seed=4, scale=0.25, max_model_len=256, vocab_size=256, sigma=sigma)
+        batched = {}
+        for allocator in ("paged", "contiguous-oracle"):
+            sim = Simulator(trace, EngineConfig(kv_allocator=allocator, **config), STEP_MODEL,
+                            configs.get_config("tiny_llama"))
+            batched[allocator] = sim.run()["saturated_mean_batched_seqs"]
+        ratios[sigma] = batched["paged"] / batched["contiguous-oracle"]
+        fluid[sigma] = fluid_ratio([len(r.prompt_token_ids) for r in trace], [r.max_tokens for r in trace])
+    assert 1 < ratios[0.3] < ratios[1.2], ratios
+    assert fluid[0.3] < fluid[1.2] < 2, fluid
+
+
+def test_replay_in_virtual_time_equals_the_simulator():
+    """serving_sweep --simulate drives the simulated engine with experiments/replay.py
+    instead of Simulator.run: both must serve a trace identically (same arrivals, first
+    tokens and finishes on the virtual clock)."""
+    from experiments.replay import replay
+    from experiments.simulate import simulated_serving
+    trace = make_trace("sharegpt", 60, seed=5, scale=0.1, max_model_len=64, vocab_size=256, request_rate=20.0)
+    config = EngineConfig(**TINY, num_blocks=25)
+    model_config = configs.get_config("tiny_llama")
+    sim = Simulator(trace, config, STEP_MODEL, model_config)
+    sim.run()
+    expected = sorted((t.arrival, t.first_token, t.finish, t.num_output_tokens) for t in sim.times.values())
+    make_engine, clock, sleep = simulated_serving(model_config, STEP_MODEL)
+    clock.now = 123.0  # the replay measures from its own start
+    records = replay(make_engine(config), trace, lambda r: SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
+                                                                         temperature=0.0), clock=clock, sleep=sleep)
+    got = sorted((r["arrival"], r["first_token"], r["finish"], r["output_tokens"]) for r in records)
+    assert len(got) == len(trace)
+    assert [x for row in got for x in row] == pytest.approx([x for row in expected for x in row])
+    assert sim.engine.stats()["num_preemptions"] > 0  # the budget is tight enough to matter
