@@ -13,6 +13,7 @@ is skipped with a printed line. Titles name the model and workload from the reco
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -151,7 +152,7 @@ def batched_timeline(record: dict, out_dir: str) -> str:
     return _save(fig, out_dir, "batched_timeline")
 
 
-def latency_vs_rate(record: dict, out_dir: str) -> str:
+def latency_vs_rate(record: dict, out_dir: str, name: str = "latency_vs_rate") -> str:
     """serving_sweep: normalized latency (s/token) against request rate (paper Fig. 12)."""
     plt = _pyplot()
     fig_data = record["figures"]
@@ -168,8 +169,9 @@ def latency_vs_rate(record: dict, out_dir: str) -> str:
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("normalized latency (s/token)")
     ax.legend(title="dotted: highest sustained rate", fontsize=8, title_fontsize=8)
-    ax.set_title(f"Normalized latency vs. request rate: {model}, {workload}", fontsize=10)
-    return _save(fig, out_dir, "latency_vs_rate")
+    kind = "simulated, " if fig_data.get("simulated") else ""
+    ax.set_title(f"Normalized latency vs. request rate: {kind}{model}, {workload}", fontsize=10)
+    return _save(fig, out_dir, name)
 
 
 def block_size_sweep(record: dict, out_dir: str) -> str:
@@ -245,6 +247,8 @@ PLOTS = {
     "utilization_waste": ("benchmark_throughput.json", utilization_waste),
     "batched_timeline": ("benchmark_throughput.json", batched_timeline),
     "latency_vs_rate": ("serving_sweep_kv2.json", latency_vs_rate),
+    "latency_vs_rate_simulated": ("serving_sweep_simulated.json",
+                                  functools.partial(latency_vs_rate, name="latency_vs_rate_simulated")),
     "block_size_sweep": ("sweep_block_size.json", block_size_sweep),
     "sharing_savings": ("sharing_savings.json", sharing_savings),
 }

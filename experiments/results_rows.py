@@ -179,15 +179,19 @@ def benchmark_throughput(record: dict) -> list:
         if flags.get("num_blocks") is None and flags.get("kv_seqs"):
             budget += f" = {flags['kv_seqs']} max-length sequences"
     saturated = all(r.get("saturated_mean_batched_seqs") is not None for r in rows)
+    saturated_rate = all(r.get("saturated_tokens_per_s") is not None for r in rows)
     figure = (f"KV utilization by allocator at one budget ({budget}), {model_label(fig['model'])}, "
               f"{flags['num_requests']} {workload_label(fig['workload'])} requests at scale {flags['scale']} "
               f"(prompt {fig['mean_prompt_tokens']:.0f}, output {fig['mean_output_tokens']:.0f}), all at t=0: "
               f"{_allocator_names(r['kv_allocator'] for r in rows)}; mean batched requests"
-              + ("; the same over steps with requests waiting" if saturated else "") + "; output tok/s")
+              + ("; batched while requests wait" if saturated else "") + "; output tok/s"
+              + ("; output tok/s while requests wait" if saturated_rate else ""))
     parts = [_join((r["kv_utilization"] for r in rows), "{:.3f}"), _join((r["mean_batched_seqs"] for r in rows), "{:.1f}")]
     if saturated:
         parts.append(_join((r["saturated_mean_batched_seqs"] for r in rows), "{:.1f}"))
     parts.append(_join((r["output_tokens_per_s"] for r in rows), "{:.1f}"))
+    if saturated_rate:
+        parts.append(_join((r["saturated_tokens_per_s"] for r in rows), "{:.1f}"))
     return [(figure, "; ".join(parts))]
 
 
@@ -231,7 +235,8 @@ def serving_sweep(record: dict) -> list:
     value = _join("not reached" if sustained.get(n) is None else f"{sustained[n]:.2g}" for n in names)
     if sustained.get("paged") and all(sustained.get(n) for n in names):
         value += "; paged / " + ", ".join(f"{n}: {sustained['paged'] / sustained[n]:.2g}x" for n in names[1:])
-    return [((f"serving, {_setting(record)}, request rates {rates[0]:g}..{rates[-1]:g} req/s: highest rate "
+    kind = "simulator (engine bookkeeping, modelled step times)" if fig.get("simulated") else "serving"
+    return [((f"{kind}, {_setting(record)}, request rates {rates[0]:g}..{rates[-1]:g} req/s: highest rate "
              f"sustained (experiments.serving_sweep's latency bound), req/s: {_allocator_names(names)}"), value)]
 
 
@@ -284,6 +289,19 @@ def simulate(record: dict) -> list:
                     f"mean batched requests{'; wall time' if len(parts) == 3 else ''}: "
                     f"{_allocator_names(r['kv_allocator'] for r in group)}"), "; ".join(parts)))
     return out
+
+
+def batching_vs_spread(record: dict) -> list:
+    """Paged's batching gain over other allocators by log-normal spread of the lengths."""
+    fig, flags = record["figures"], record["flags"]
+    points = fig["points"]
+    names = list(points[0]["saturated_batched_ratios"])
+    value = "; ".join(f"sigma {p['sigma']:g} (output cv {p['output_cv']:.2f}): "
+                      + ", ".join(f"{p['saturated_batched_ratios'][n]:.2f}" for n in names)
+                      + f" (fluid {p['fluid_ratio']:.2f})" for p in points)
+    return [((f"simulator, {flags.get('num_requests')} {workload_label(fig.get('workload'))} requests at t=0 per "
+              f"spread, {fig['num_blocks']} blocks of {flags.get('block_size')}: batched requests while requests wait, "
+              + ", ".join(n.replace("_over_", " / ") for n in names) + "; fluid-model oracle / paged"), value)]
 
 
 def calibrate_step_time(record: dict) -> list:
@@ -352,7 +370,7 @@ BUILDERS = {
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
-    "simulate": simulate, "tensor_parallel_memory": tensor_parallel_memory,
+    "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)

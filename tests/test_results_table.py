@@ -98,6 +98,12 @@ def test_allocator_row_reads_the_timeline_era_fields():
     # utilization; mean batched (3+6+8+8+7+2)/6 = 5.67 and 11/6 = 1.83; saturated (max) 8 and 2; tok/s
     assert value == "0.950 / 0.250; 5.7 / 1.8; 8.0 / 2.0; 10.0 / 10.0"
     assert "17 blocks of 8 = 2 max-length sequences" in figure and "12 ShareGPT-like requests at scale 0.5" in figure
+    for row, rate in zip(record["figures"]["allocators"], (31.25, 12.5)):
+        row["saturated_tokens_per_s"] = rate
+    [(figure, value)] = results_rows.benchmark_throughput(record)
+    assert value.endswith("; 10.0 / 10.0; 31.2 / 12.5") and figure.endswith("; batched while requests wait; "
+                                                                             "output tok/s; output tok/s while "
+                                                                             "requests wait")
 
 
 def test_rows_of_the_coming_schemas():
@@ -169,3 +175,16 @@ def test_replace_table_keeps_the_rest():
     assert results_table.replace_table(text, "new") == f"intro\n{results_table.BEGIN}\nnew\n{results_table.END}\noutro\n"
     with pytest.raises(ValueError, match="exactly one"):
         results_table.replace_table("no markers", "new")
+
+
+def test_batching_vs_spread_row():
+    point = lambda sigma, ratio, fluid: {"sigma": sigma, "output_cv": sigma / 2, "fluid_ratio": fluid,
+                                         "saturated_batched_ratios": {"paged_over_contiguous-oracle": ratio,
+                                                                      "paged_over_contiguous-max": 3 * ratio}}
+    record = {"name": "batching_vs_spread", "command": "python -m experiments.batching_vs_spread",
+              "flags": {"num_requests": 50, "block_size": 16},
+              "figures": {"workload": "sharegpt", "num_blocks": 728, "points": [point(0.4, 1.25, 1.5), point(1.2, 2.5, 1.9)]}}
+    [(figure, value)] = results_rows.batching_vs_spread(record)
+    assert value == ("sigma 0.4 (output cv 0.20): 1.25, 3.75 (fluid 1.50); "
+                     "sigma 1.2 (output cv 0.60): 2.50, 7.50 (fluid 1.90)")
+    assert "50 ShareGPT-like requests" in figure and "paged / contiguous-oracle, paged / contiguous-max" in figure
