@@ -253,8 +253,8 @@ def test_paged_gains_more_over_the_oracle_when_output_lengths_spread():
     """experiments/batching_vs_spread.py's claim in small: paged batches more than an
     oracle reservation, and more so the more output lengths spread (the fluid ratio's
     trend), on the same means and budget."""
-    config = dict(block_size=4, max_model_len=256, max_num_seqs=64, max_num_batched_tokens=64,
-                  attention_backend="reference", enable_prefix_caching=False, num_blocks=129)
+    config = {"block_size": 4, "max_model_len": 256, "max_num_seqs": 64, "max_num_batched_tokens": 64,
+              "attention_backend": "reference", "enable_prefix_caching": False, "num_blocks": 129}
     ratios, fluid = {}, {}
     for sigma in (0.3, 1.2):
         trace = make_trace("sharegpt", 300, seed=4, scale=0.25, max_model_len=256, vocab_size=256, sigma=sigma)
