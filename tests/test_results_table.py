@@ -138,8 +138,10 @@ def test_simulate_rows_and_unknown_schema(capsys):
 
 
 def test_a_wrong_command_is_rebuilt_from_the_records_flags():
-    # the record names a module that does not exist; engine_metrics.py wrote it
-    command = result_commands.reproducing_command(_load("engine_attention_backends.json"))
+    # a record naming a module that does not exist (as engine_metrics.py once wrote it)
+    record = _load("engine_attention_backends.json")
+    record["command"] = "python -m experiments.engine_attention_backends --measure=attention_backends"
+    command = result_commands.reproducing_command(record)
     assert command.rebuilt and command.module == "engine_metrics"
     assert command.text == "python -m experiments.engine_metrics --measure=attention_backends"
     # a complete command is kept as it is
