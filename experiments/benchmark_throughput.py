@@ -57,14 +57,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _OUTPUT = flags.DEFINE_string("output", "benchmark_throughput", "Result name: experiments/results/<output>.json.")
 
 
-def _round(value, digits):
-    return None if value is None else round(value, digits)
-
-
 def main(argv):
     del argv
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import write_result
+    from experiments.results_io import round_or_none, write_result
     from experiments.workloads import make_trace
     from paged_jax.compilation_cache import enable_compilation_cache
     from paged_jax.llm import LLM
@@ -107,13 +103,13 @@ def main(argv):
             "waste_reservation_slots": round(stats["waste_reservation_slots"], 1),
             "waste_external_slots": round(stats["waste_external_slots"], 1),
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2), "max_batched_seqs": stats["max_batched_seqs"],
-            "saturated_mean_batched_seqs": _round(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
+            "saturated_mean_batched_seqs": round_or_none(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
             "num_saturated_steps": stats["num_saturated_steps"],
             "batched_seqs_timeline": batched[::stride], "timeline_stride": stride,
             "timeline_complete": stats["num_steps"] == len(batched),
             "requests_per_s": round(len(outputs) / seconds, 4),
             "output_tokens_per_s": round(output_tokens / seconds, 2), "wall_seconds": round(seconds, 2),
-            "saturated_tokens_per_s": _round(stats["saturated_tokens_per_s"], 2),
+            "saturated_tokens_per_s": round_or_none(stats["saturated_tokens_per_s"], 2),
             "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
             "num_blocks_total": stats["num_blocks_total"], "output_tokens": output_tokens,
             "num_compilations_after_warm_up": stats["num_compilations_after_warm_up"]})

@@ -31,6 +31,11 @@ def environment() -> dict:
     }
 
 
+def round_or_none(value, digits: int):
+    """round(value, digits), or None for a figure that does not exist (e.g. no step waited)."""
+    return None if value is None else round(value, digits)
+
+
 def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = None,
                  results_dir: str = RESULTS_DIR) -> str:
     """Write `results_dir/<name>.json` and return its path (one file per named run)."""

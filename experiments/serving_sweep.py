@@ -75,6 +75,7 @@ def main(argv):
     else:
         enable_compilation_cache()
         model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
+        # the replay reads finished requests only: no per-step outputs for running ones
         make_engine = lambda config: LLMEngine(model, config, final_outputs_only=True)
         clock, sleep, source = time.monotonic, time.sleep, model.source
         model_config = model.config
@@ -88,7 +89,6 @@ def main(argv):
               for rate in rates}
     curves = {}
     for allocator in _ALLOCATORS.value:
-        # the replay reads finished requests only: no per-step outputs for running ones
         engine = make_engine(EngineConfig(kv_allocator=allocator, **settings))
         curves[allocator] = []
         for rate in rates:
@@ -104,7 +104,8 @@ def main(argv):
         assert engine.stats()["num_compilations_after_warm_up"] == 0
         del engine
     sustained = sustained_rates(curves, _SLO_FACTOR.value)
-    figures = {"model": source, "simulated": _SIMULATE.value, "workload": _WORKLOAD.value, "scale": _SCALE.value, "engine_settings": settings,
+    figures = {"model": source, "simulated": _SIMULATE.value, "workload": _WORKLOAD.value, "scale": _SCALE.value,
+               "engine_settings": settings,
                "allocators": [{"kv_allocator": a, "points": p} for a, p in curves.items()],
                "sustained_rate": sustained, "slo_factor": _SLO_FACTOR.value}
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}

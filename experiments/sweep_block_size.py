@@ -55,6 +55,7 @@ _OUTPUT = flags.DEFINE_string("output", "sweep_block_size", "Result name: experi
 
 def _run(model, trace, settings: dict) -> dict:
     """One engine on one trace: its stats and throughput (warm-up excluded)."""
+    from experiments.results_io import round_or_none
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
     llm = LLM(model, **settings)
@@ -68,15 +69,11 @@ def _run(model, trace, settings: dict) -> dict:
     assert tokens == sum(r.max_tokens for r in trace), "ignore_eos: every request runs to its max_tokens"
     assert stats["num_compilations_after_warm_up"] == 0
     return {"kv_utilization": round(stats["kv_utilization"], 4),
-            "saturated_mean_batched_seqs": _round(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
+            "saturated_mean_batched_seqs": round_or_none(stats["saturated_mean_batched_seqs"], 2),  # None: none waited
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2), "num_blocks": stats["num_blocks_total"],
             "output_tokens_per_s": round(tokens / seconds, 2), "wall_seconds": round(seconds, 2),
             "num_preemptions": stats["num_preemptions"], "output_tokens": tokens,
             "device_seconds_per_step": round(stats["device_seconds_per_step"], 5)}
-
-
-def _round(value, digits):
-    return None if value is None else round(value, digits)
 
 
 def main(argv):
