@@ -357,6 +357,15 @@ def step_time_vs_cache_size(record: dict) -> list:
              " / ".join(f"{r['device_ms_median']:.1f} ms" for r in rows))]
 
 
+def step_shape_costs(record: dict) -> list:
+    """A jitted step per padded shape, and the copy-on-write call on a padded list."""
+    fig = record["figures"]
+    steps = fig["steps"]
+    return [(f"step on padding-only batches, {_setting(record)}, {fig['num_blocks']} blocks, by padded rows "
+             + " / ".join(str(r["rows"]) for r in steps) + f"; block-copy call on {fig['copy_padded_entries']} "
+             "padded entries", " / ".join(f"{r['step_ms']:.0f} ms" for r in steps) + f"; {fig['copy_ms']:.0f} ms")]
+
+
 def generic(record: dict) -> list:
     """A record of a script no builder knows: its name, setting and first scalar figures."""
     fig = record.get("figures") or {}
@@ -372,6 +381,7 @@ BUILDERS = {
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
+    "step_shape_costs": step_shape_costs,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}

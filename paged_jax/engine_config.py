@@ -23,7 +23,8 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """Powers of two from lo, with 1.5x midpoints from MIDPOINT_BUCKETS_FROM on, and hi.
 
     Why the midpoints: a batch pads up to its bucket, and on a CPU a big step costs about
-    linearly in its padded size (SmolLM2: 157 ms at 64 rows, 211 at 96, 284 at 128), so
+    linearly in its padded size (SmolLM2: 194 ms at 64 rows, 254 at 96, 308 at 128;
+    `python -m experiments.step_shape_costs`), so
     65 sequences in a 128 bucket nearly double the step. Midpoints keep the padding of
     big batches under half (65 -> 96) and cost only a few more shapes to compile (none
     below 32).
