@@ -287,6 +287,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
+                raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             return None, [int(t) for t in prompt]

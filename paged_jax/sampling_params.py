@@ -7,7 +7,17 @@ touches the engine (and the engine stays usable).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
+
+INT32_MAX = 2**31 - 1  # top_k reaches an i32 array in the jitted step
+
+
+def _finite(name: str, value) -> None:
+    """NaN compares false with everything, so without this `temperature=NaN` would pass
+    every range check and silently act as greedy; infinities are never meaningful here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +37,14 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            _finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an int in [0, {INT32_MAX}] (0 = off), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -49,6 +61,8 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            if any(t < 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -57,6 +57,10 @@ def test_bad_prompts_are_refused_and_the_engine_stays_usable(llm, prompt, params
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(n=0), "n must be"),
     (dict(min_p=2.0), "min_p"), (dict(seed=-1), "seed"),
+    # NaN passes every comparison (it used to act as greedy); top_k reaches an i32 array
+    (dict(temperature=float("nan")), "temperature must be a finite"), (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("inf")), "min_p"), (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=2**31), "top_k"), (dict(top_k=10**30), "top_k"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -55,3 +55,12 @@ def test_stop_string_cuts_the_text(llm):
                          use_tqdm=False)
     assert cut.outputs[0].text == free.outputs[0].text.split(".")[0]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == "."
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_refused(llm):
+    """A lone surrogate made the tokenizer raise TypeError inside the engine (a 500 in the server)."""
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["fine", "bad \ud800 text"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    [out] = llm.generate(["fine"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

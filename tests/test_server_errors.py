@@ -82,6 +82,20 @@ BAD_BODIES = [  # (path, raw body or dict, words the message must contain, param
     ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), "tools", "tools"),
     ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format", "response_format"),
     ("/v1/chat/completions", _chat(temperature=-0.5), "temperature", "temperature"),
+    # the first fuzzing pass: each of these reached the engine step or a 500 before
+    ("/v1/completions", _completion(top_k=2**31), "top_k", "top_k"),  # OverflowError in the i32 batch
+    ("/v1/completions", _completion(top_k=10**30), "top_k", "top_k"),
+    ("/v1/chat/completions", _chat(top_k=2**31), "top_k", "top_k"),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "Hi", "temperature": NaN}', "finite", None),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "Hi", "top_p": Infinity}', "finite", None),
+    ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [], "temperature": 1e309}', "out of range",
+     None),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+     "nested too deeply", None),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "\\ud800"}', "surrogate", None),  # JSON escape
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "a\xed\xa0\x80b"}', "surrogate", None),  # raw bytes
+    ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\udc00"}]}',
+     "surrogate", None),
 ]
 
 

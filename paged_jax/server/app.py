@@ -33,6 +33,7 @@ from paged_jax.server.engine_loop import (EngineLoop, EngineRequest, EngineUnava
 from paged_jax.server.errors import (APIError, bad_request, install_error_handlers, server_busy, unavailable,
                                     validation_message)
 from paged_jax.server.http_guards import HTTPGuards
+from paged_jax.server.json_body import parse_json_body
 from paged_jax.server.metrics import RequestRecorder, ServerMetrics
 from paged_jax.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from paged_jax.server.responses import ResponseBuilder
@@ -178,11 +179,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     async def parse_body(request: Request, model: type[BaseModel]):
         """JSON whatever the Content-Type (curl's default is form-encoded), then strict
         validation; both failures are 400s that say what was wrong."""
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+        data = parse_json_body(await request.body())
         if not isinstance(data, dict):
             raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
         try:
