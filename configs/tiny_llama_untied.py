@@ -1,6 +1,6 @@
 """A tiny random-weight Llama with an untied lm_head and llama3 RoPE scaling."""
 
-from paged_jax.model_config import ModelConfig, RopeScaling
+from paged_jax.config.model_config import ModelConfig, RopeScaling
 
 
 def get_config() -> ModelConfig:

@@ -1,6 +1,6 @@
 """A tiny random-weight Mistral: untied, sliding window of 32 tokens."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

@@ -1,6 +1,6 @@
 """A tiny random-weight Qwen2: q/k/v projections with bias, tied embeddings."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

@@ -1,6 +1,6 @@
 """A tiny random-weight Qwen3: q/k RMSNorm, head_dim independent of hidden_size."""
 
-from paged_jax.model_config import ModelConfig
+from paged_jax.config.model_config import ModelConfig
 
 
 def get_config() -> ModelConfig:

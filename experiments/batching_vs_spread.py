@@ -30,7 +30,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from paged_jax.engine_config import KV_ALLOCATORS
+from paged_jax.config.engine_config import KV_ALLOCATORS
 
 _SIGMAS = flags.DEFINE_list("sigmas", ["0.4", "0.8", "1.2", "1.6"], "Log-normal spreads of the lengths to run.")
 _WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Data set whose mean lengths to use.")
@@ -53,12 +53,12 @@ _OUTPUT = flags.DEFINE_string("output", "batching_vs_spread", "Result name: expe
 def main(argv):
     del argv
     import configs
-    from experiments.results_io import write_result
-    from experiments.simulate import Simulator
-    from experiments.step_time_model import StepTimeModel
-    from experiments.workloads import fluid_ratio, make_trace
-    from paged_jax.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-    from paged_jax.kv_cache import bytes_per_block
+    from experiments.reporting.results_io import write_result
+    from experiments.simulator.simulator import Simulator
+    from experiments.simulator.step_time_model import StepTimeModel
+    from experiments.benchmarks.workloads import fluid_ratio, make_trace
+    from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+    from paged_jax.worker.kv_cache import bytes_per_block
     if set(_ALLOCATORS.value) - set(KV_ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {KV_ALLOCATORS}; got {_ALLOCATORS.value}")
     model_config = configs.get_config(_MODEL_CONFIG.value)

@@ -35,8 +35,8 @@ def main(argv):
     del argv
     import jax
 
-    from experiments.kernel_timing import decode_point
-    from experiments.results_io import write_result
+    from experiments.benchmarks.kernel_timing import decode_point
+    from experiments.reporting.results_io import write_result
     backend = _BACKEND.value or jax.default_backend()
     ints = lambda values: [int(x) for x in values]
     grid = list(itertools.product(ints(_BLOCK_SIZE.value), ints(_NUM_SEQS.value), ints(_CONTEXT_LEN.value),

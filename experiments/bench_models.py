@@ -17,7 +17,7 @@ def load_for_benchmark(name: str, max_model_len: int):
 
     import configs
     from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model import init_params
+    from paged_jax.model.llama import init_params
     if not (name in configs.PRESETS and name.startswith("tiny_")):
         return load_model(name, dtype="float32")
     cfg = configs.get_config(name)

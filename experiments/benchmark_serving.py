@@ -1,7 +1,7 @@
 """Load test of the OpenAI-compatible server: `python -m experiments.benchmark_serving`.
 
 Sends --num_requests streamed /v1/completions requests (token-id prompts from
-experiments/workloads.py, `ignore_eos` so every output has its drawn length) over
+experiments/benchmarks/workloads.py, `ignore_eos` so every output has its drawn length) over
 loopback with async httpx, arriving as a Poisson process at --request_rate (inf: all at
 once), at most --max_concurrency in flight. Per request it records the time to the
 first token (TTFT), the time per output token after it (TPOT), end-to-end latency and
@@ -26,11 +26,11 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.engine_flags import define_engine_flags, engine_config_from_flags
-from experiments.results_io import write_result
-from experiments.workloads import DATASETS, make_trace
-from paged_jax.engine_config import EngineConfig
+from paged_jax.entrypoints import engine_flags
+from experiments.benchmarks.workloads import DATASETS, make_trace
+from paged_jax.entrypoints.engine_flags import define_engine_flags, engine_config_from_flags
+from experiments.reporting.results_io import write_result
+from paged_jax.config.engine_config import EngineConfig
 
 _BASE_URL = flags.DEFINE_string("base_url", None, "A running server (http://host:port); default: start one here.")
 _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key for a server started with --api_key.")
@@ -139,10 +139,10 @@ def main(argv):
     if _BASE_URL.value:
         base_url = _BASE_URL.value.rstrip("/")
     else:
-        from paged_jax.compilation_cache import enable_compilation_cache
-        from paged_jax.engine import LLMEngine
-        from paged_jax.server import ServerSettings, build_app
-        from paged_jax.server.uvicorn_server import BackgroundServer
+        from paged_jax.worker.compilation_cache import enable_compilation_cache
+        from paged_jax.engine.llm_engine import LLMEngine
+        from paged_jax.entrypoints.openai import ServerSettings, build_app
+        from paged_jax.entrypoints.openai.uvicorn_server import BackgroundServer
 
         enable_compilation_cache()
         engine = LLMEngine(_MODEL.value, engine_config_from_flags(seed=_SEED.value))

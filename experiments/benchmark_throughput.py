@@ -34,7 +34,7 @@ import time
 
 from absl import app, flags
 
-from paged_jax.engine_config import KV_ALLOCATORS
+from paged_jax.config.engine_config import KV_ALLOCATORS
 
 TIMELINE_POINTS = 400  # batched sequences per step, sampled to at most about this many points
 ALLOCATORS = KV_ALLOCATORS
@@ -60,11 +60,11 @@ _OUTPUT = flags.DEFINE_string("output", "benchmark_throughput", "Result name: ex
 def main(argv):
     del argv
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import round_or_none, write_result
-    from experiments.workloads import make_trace
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.reporting.results_io import round_or_none, write_result
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     if set(_ALLOCATORS.value) - set(ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {ALLOCATORS}; got {_ALLOCATORS.value}")
     enable_compilation_cache()

@@ -4,7 +4,7 @@
     python -m experiments.calibrate_step_time --model=tiny_llama --fit_requests=16 --holdout_requests=8
 
 Why: experiments/simulate.py replaces the model by a step-time model (see
-experiments/step_time_model.py), so its latencies and throughputs are only as good as
+experiments/simulator/step_time_model.py), so its latencies and throughputs are only as good as
 that model. Here the real engine serves two seeded traces, all requests at t = 0 (a
 ramp of prefill-heavy steps, full decode batches, then a tail of shrinking batches):
 the fit trace (--fit_workload) and a held-out trace of another workload
@@ -53,7 +53,7 @@ def load(name: str):
 
     import configs
     from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model import init_params
+    from paged_jax.model.llama import init_params
     if not (name in configs.PRESETS and name.startswith("tiny_")):
         return load_model(name, dtype="float32")
     cfg = configs.get_config(name)
@@ -63,8 +63,8 @@ def load(name: str):
 def measure_steps(engine, trace) -> list[tuple]:
     """Serve `trace` (all at once) on `engine`; per step: (num_tokens, num_seqs,
     context_tokens, padded num_tokens, padded num_seqs, wall seconds)."""
-    from experiments.step_time_model import step_features
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.simulator.step_time_model import step_features
+    from paged_jax.core.sampling_params import SamplingParams
     for i, request in enumerate(trace):
         engine.add_request(f"c{id(trace)}-{i}", {"prompt_token_ids": list(request.prompt_token_ids)},
                            SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True))
@@ -105,12 +105,12 @@ def _summary(steps) -> dict:
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
-    from experiments.step_time_model import StepTimeModel, fit_error
-    from experiments.workloads import make_trace
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.engine import LLMEngine
-    from paged_jax.engine_config import EngineConfig
+    from experiments.reporting.results_io import write_result
+    from experiments.simulator.step_time_model import StepTimeModel, fit_error
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.config.engine_config import EngineConfig
     enable_compilation_cache()
     wall_start, load_average_start = time.perf_counter(), os.getloadavg()
     model = load(_MODEL.value)
@@ -140,7 +140,7 @@ def main(argv):
     figures = {
         "model": fitted.to_dict(),
         "features": "t = intercept_s + per_token_s * num_tokens + per_seq_s * num_seqs"
-                    " + per_context_token_s * context_tokens (experiments/step_time_model.py); bucketed: num_tokens"
+                    " + per_context_token_s * context_tokens (experiments/simulator/step_time_model.py); bucketed: num_tokens"
                     " and num_seqs padded to the engine's buckets",
         "engine_settings": {"block_size": config.block_size, "max_model_len": config.max_model_len,
                             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,

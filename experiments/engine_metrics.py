@@ -44,7 +44,7 @@ def _engine_model(preset: str, model: str, dtype: str = "float32"):
 
     import configs
     from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model import init_params
+    from paged_jax.model.llama import init_params
     if preset:
         # random weights: lift the position limit so the trace's lengths fit
         cfg = dataclasses.replace(configs.get_config(preset), max_position_embeddings=_MAX_MODEL_LEN.value)
@@ -53,9 +53,9 @@ def _engine_model(preset: str, model: str, dtype: str = "float32"):
 
 
 def _utilization() -> dict:
-    from experiments.workloads import make_trace
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model(_UTIL_PRESET.value, _MODEL.value)
     trace = make_trace("sharegpt", _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
                        max_model_len=_MAX_MODEL_LEN.value, vocab_size=model.config.vocab_size)
@@ -78,8 +78,8 @@ def _utilization() -> dict:
 def _host_overhead() -> dict:
     import numpy as np
 
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model("", _MODEL.value)
     n = _HOST_SEQS.value
     llm = LLM(model, block_size=_BLOCK_SIZE.value, max_model_len=256, max_num_seqs=n, max_num_batched_tokens=256)
@@ -103,8 +103,8 @@ def _attention_backends() -> dict:
 
     import numpy as np
 
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model("", _MODEL.value)
     rng = np.random.default_rng(_SEED.value)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, model.config.vocab_size, rng.integers(50, 400))]}
@@ -127,8 +127,8 @@ def _attention_backends() -> dict:
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
-    from paged_jax.compilation_cache import enable_compilation_cache
+    from experiments.reporting.results_io import write_result
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
     enable_compilation_cache()
     figures = {}
     if _MEASURE.value in ("both", "utilization"):

@@ -13,8 +13,8 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 echo "== native kernel tests =="
-"$PY" -m pytest -q -p no:cacheprovider tests/test_paged_attention_kernel.py tests/test_ragged_paged_attention_kernel.py \
-    tests/test_ragged_paged_attention_reference.py 2>&1 | tail -15
+"$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention_kernel.py tests/kernels/test_ragged_paged_attention_kernel.py \
+    tests/kernels/test_ragged_paged_attention_reference.py 2>&1 | tail -15
 echo "== benchmark sweep =="
 "$PY" -m experiments.bench_kernel --backend=gpu --tag="$TAG" --block_size=16,32 --num_seqs=8,32,64 \
     --context_len=512,2048 --num_heads=32 --num_kv_heads=8 --head_dim=128 --dtype=bfloat16,float32 --iters=20 \

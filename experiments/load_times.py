@@ -50,7 +50,7 @@ def _write_hf_directory(gguf_path: str, out_dir: str) -> None:
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
+    from experiments.reporting.results_io import write_result
     from paged_jax.loading import load_checkpoint, load_model, registry, save_checkpoint
 
     gguf_path = registry.resolve(_MODEL.value)

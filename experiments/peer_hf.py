@@ -12,7 +12,7 @@ the same GGUF), so the throughput ratio in BENCHMARKS.md is measured, not assume
               per request; a failure is recorded in the results, never faked.
   paged_jax:  our engine (ignore_eos, greedy); its outputs are checked against each HF
               mode's token for token, a difference accepted only at a checked near-tie
-              (tests/greedy_check.py), mismatches counted and reported, not fatal.
+              (tests/helpers/greedy_check.py), mismatches counted and reported, not fatal.
 Throughput is useful output tokens (and requests) per second of generation wall time;
 model loading and our engine's warm-up compilation are timed apart and not included.
 """
@@ -33,7 +33,7 @@ from absl import app, flags
 from tqdm.auto import tqdm
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Registered model name (a GGUF both sides load).")
-_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "experiments/workloads.py trace.")
+_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "experiments/benchmarks/workloads.py trace.")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests in the trace (all arrive at t=0).")
 _SCALE = flags.DEFINE_float("scale", 0.25, "Length scale of the trace (CPU-sized runs).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Static batch size of the HF `generate` baseline.")
@@ -150,8 +150,8 @@ def paged_jax_run(loaded, requests, max_model_len: int, max_num_seqs: int = 32, 
                   **engine_settings):
     """(outputs, figures) from our engine, greedy with ignore_eos; construction (which
     compiles every step shape) is timed apart as setup_s. engine_settings: EngineConfig fields."""
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     start = time.perf_counter()
     llm = LLM(loaded, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine_settings)
     setup = time.perf_counter() - start
@@ -170,10 +170,10 @@ def paged_jax_run(loaded, requests, max_model_len: int, max_num_seqs: int = 32, 
 
 def compare_greedy(model, requests, reference_outputs, outputs) -> dict:
     """Counts of equal / near-tie / mismatched outputs, the HF model (unpadded prompt) as the
-    logits reference of tests/greedy_check.py's rule."""
+    logits reference of tests/helpers/greedy_check.py's rule."""
     import torch
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from greedy_check import assert_greedy_match
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: tests.helpers
+    from tests.helpers.greedy_check import assert_greedy_match
 
     def next_logits(ids):
         with torch.no_grad():
@@ -204,9 +204,9 @@ def load_hf_model(name: str):
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
-    from experiments.workloads import make_trace
-    from paged_jax.compilation_cache import enable_compilation_cache
+    from experiments.reporting.results_io import write_result
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
     from paged_jax.loading import load_model
     enable_compilation_cache()
     unknown = set(_MODES.value) - {"static", "continuous", "paged_jax"}

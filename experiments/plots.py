@@ -52,12 +52,12 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def _ordered(allocators: list[dict]) -> list[dict]:
-    from experiments.results_rows import _sorted_allocators
+    from experiments.reporting.results_rows import _sorted_allocators
     return _sorted_allocators(allocators)
 
 
 def _labels(record: dict) -> tuple[str, str]:
-    from experiments.results_rows import model_label, workload_label
+    from experiments.reporting.results_rows import model_label, workload_label
     fig = record["figures"]
     return model_label(fig.get("model") or (record.get("flags") or {}).get("model")), workload_label(
         fig.get("workload") or (record.get("flags") or {}).get("workload"))

@@ -72,11 +72,11 @@ def _lcp(a, b) -> int:
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
+    from experiments.reporting.results_io import write_result
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm import LLM
     from paged_jax.loading import load_model
-    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.core.sampling_params import SamplingParams
     enable_compilation_cache()
     load_start = os.getloadavg()
     model = load_model(_MODEL.value, dtype="float32")

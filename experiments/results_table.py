@@ -5,8 +5,8 @@
 
 Why: a hand-written table drifts from the records it quotes. Here every row (figure in
 words with the run's setting, value, command) is built from one record
-(experiments/results_rows.py), and the command is one that reproduces the record
-(experiments/result_commands.py). Only the text between the README's markers
+(experiments/reporting/results_rows.py), and the command is one that reproduces the record
+(experiments/reporting/result_commands.py). Only the text between the README's markers
 `<!-- results-table:begin -->` and `<!-- results-table:end -->` is replaced. `--check`
 in the tests makes a results change without a regenerated README fail.
 
@@ -25,9 +25,9 @@ import sys
 
 from absl import app, flags
 
-from experiments import results_rows
-from experiments.result_commands import reproducing_command
-from experiments.results_io import RESULTS_DIR
+from experiments.reporting import results_rows
+from experiments.reporting.result_commands import reproducing_command
+from experiments.reporting.results_io import RESULTS_DIR
 
 BEGIN = "<!-- results-table:begin -->"
 END = "<!-- results-table:end -->"

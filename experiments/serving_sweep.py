@@ -31,8 +31,8 @@ import time
 
 from absl import app, flags
 
-from experiments.replay import replay, summarize, sustained_rates
-from paged_jax.engine_config import KV_ALLOCATORS as ALLOCATORS
+from experiments.benchmarks.replay import replay, summarize, sustained_rates
+from paged_jax.config.engine_config import KV_ALLOCATORS as ALLOCATORS
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset (random "
                                                       "weights: fast, not for claims).")
@@ -61,12 +61,12 @@ _OUTPUT = flags.DEFINE_string("output", "serving_sweep", "Result name: experimen
 def main(argv):
     del argv
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import write_result
-    from experiments.workloads import make_trace
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.engine import LLMEngine
-    from paged_jax.engine_config import EngineConfig
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.reporting.results_io import write_result
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.config.engine_config import EngineConfig
+    from paged_jax.core.sampling_params import SamplingParams
     if set(_ALLOCATORS.value) - set(ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {ALLOCATORS}; got {_ALLOCATORS.value}")
     rates = sorted(float(r) for r in _RATES.value)
@@ -116,8 +116,8 @@ def main(argv):
 def _simulated():
     """(model config, engine factory, clock, sleep, source label) for --simulate."""
     import configs
-    from experiments.simulate import simulated_serving
-    from experiments.step_time_model import StepTimeModel
+    from experiments.simulator.simulator import simulated_serving
+    from experiments.simulator.step_time_model import StepTimeModel
     model_config = configs.get_config(_MODEL_CONFIG.value)
     make_engine, clock, sleep = simulated_serving(model_config, StepTimeModel.load(_STEP_TIME_MODEL.value))
     return model_config, make_engine, clock, sleep, f"the {_MODEL_CONFIG.value} config (no weights)"

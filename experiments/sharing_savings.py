@@ -61,13 +61,13 @@ def _run(llm, trace, make_params, desc: str) -> list:
 
 def main(argv):
     del argv
-    from experiments.results_io import write_result
-    from experiments.workloads import make_trace
-    from paged_jax.beam_search import BeamSearchParams
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
+    from experiments.reporting.results_io import write_result
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.core.beam_search import BeamSearchParams
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm import LLM
     from paged_jax.loading import load_model
-    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.core.sampling_params import SamplingParams
     if set(_MODES.value) - {"sampling", "beam"}:
         raise app.UsageError(f"--modes must be among sampling, beam; got {_MODES.value}")
     widths = [int(w) for w in _WIDTHS.value]

@@ -56,8 +56,8 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     import jax.numpy as jnp
     import numpy as np
 
-    from paged_jax.model import compute_logits, forward
-    from paged_jax.sampling import sample_tokens
+    from paged_jax.model.llama import compute_logits, forward
+    from paged_jax.worker.sampler import sample_tokens
     from pallas_kernels.ragged_paged_attention import (
         ragged_paged_attention,
         ragged_paged_attention_reference,
@@ -114,8 +114,8 @@ def main(argv):
     import os
 
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import write_result
-    from paged_jax.compilation_cache import enable_compilation_cache
+    from experiments.reporting.results_io import write_result
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
     enable_compilation_cache()
     model = load_for_benchmark(_MODEL.value, _CONTEXT_LEN.value + 1)
     rows = []

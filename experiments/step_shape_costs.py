@@ -41,10 +41,10 @@ def main(argv):
     import numpy as np
 
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import write_result
-    from paged_jax.batch_inputs import empty_batch
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
+    from experiments.reporting.results_io import write_result
+    from paged_jax.worker.batch_inputs import empty_batch
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm import LLM
     enable_compilation_cache()
     model = load_for_benchmark(_MODEL.value, 1024)
     shapes = [int(s) for s in _SHAPES.value]

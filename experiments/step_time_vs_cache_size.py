@@ -30,10 +30,10 @@ def main(argv):
     import numpy as np
 
     from experiments.bench_models import load_for_benchmark
-    from experiments.results_io import write_result
-    from paged_jax.compilation_cache import enable_compilation_cache
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.reporting.results_io import write_result
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     enable_compilation_cache()
     max_len = 512
     model = load_for_benchmark(_MODEL.value, max_len)

@@ -55,9 +55,9 @@ _OUTPUT = flags.DEFINE_string("output", "sweep_block_size", "Result name: experi
 
 def _run(model, trace, settings: dict) -> dict:
     """One engine on one trace: its stats and throughput (warm-up excluded)."""
-    from experiments.results_io import round_or_none
-    from paged_jax.llm import LLM
-    from paged_jax.sampling_params import SamplingParams
+    from experiments.reporting.results_io import round_or_none
+    from paged_jax.engine.llm import LLM
+    from paged_jax.core.sampling_params import SamplingParams
     llm = LLM(model, **settings)
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace]
@@ -81,10 +81,10 @@ def main(argv):
     import jax
 
     from experiments.bench_models import load_for_benchmark
-    from experiments.kernel_timing import decode_point
-    from experiments.results_io import write_result
-    from experiments.workloads import make_trace
-    from paged_jax.compilation_cache import enable_compilation_cache
+    from experiments.benchmarks.kernel_timing import decode_point
+    from experiments.reporting.results_io import write_result
+    from experiments.benchmarks.workloads import make_trace
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
     enable_compilation_cache()
     block_sizes = [int(b) for b in _BLOCK_SIZES.value]
     max_len = _MAX_MODEL_LEN.value

@@ -31,9 +31,9 @@ def _load(model: str, dtype: str, mesh):
     import jax
 
     import configs
-    from paged_jax import tensor_parallel as tp
+    from paged_jax.distributed import tensor_parallel as tp
     from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model import init_params
+    from paged_jax.model.llama import init_params
     if model in configs.PRESETS:
         cfg = configs.get_config(model)
         loaded = LoadedModel(cfg, init_params(cfg, jax.random.key(0), jax.numpy.dtype(dtype)), None, model,
@@ -47,10 +47,10 @@ def _load(model: str, dtype: str, mesh):
 def _measure(size: int) -> dict:
     import jax
 
-    from paged_jax import kv_cache as kvc
-    from paged_jax import tensor_parallel as tp
-    from paged_jax.engine import _resolve
-    from paged_jax.engine_config import EngineConfig
+    from paged_jax.worker import kv_cache as kvc
+    from paged_jax.distributed import tensor_parallel as tp
+    from paged_jax.engine.llm_engine import _resolve
+    from paged_jax.config.engine_config import EngineConfig
     mesh = tp.make_mesh(size) if size > 1 else None
     loaded = _load(_MODEL.value, _DTYPE.value, mesh)
     cfg = loaded.config
@@ -73,7 +73,7 @@ def main(argv):
     import jax
     if _NUM_CPU_DEVICES.value:
         jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES.value)
-    from experiments.results_io import write_result
+    from experiments.reporting.results_io import write_result
     runs = [_measure(int(s)) for s in _SIZES.value]
     base = runs[0]
     for run in runs:

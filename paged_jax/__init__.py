@@ -1,22 +1,22 @@
 """paged_jax: PagedAttention and vLLM-style serving in JAX/Flax + Pallas.
 
-The public names load lazily, so `import paged_jax.block_manager` (pure Python) does
+The public names load lazily, so `import paged_jax.core.block_manager` (pure Python) does
 not pull in JAX and transformers.
 """
 
 import importlib
 
 _EXPORTS = {
-    "LLM": "paged_jax.llm",
-    "LLMEngine": "paged_jax.engine",
-    "EngineConfig": "paged_jax.engine_config",
-    "SamplingParams": "paged_jax.sampling_params",
-    "BeamSearchParams": "paged_jax.beam_search",
-    "BeamSearchOutput": "paged_jax.outputs",
-    "RequestOutput": "paged_jax.outputs",
-    "CompletionOutput": "paged_jax.outputs",
-    "ModelConfig": "paged_jax.model_config",
-    "RopeScaling": "paged_jax.model_config",
+    "LLM": "paged_jax.engine.llm",
+    "LLMEngine": "paged_jax.engine.llm_engine",
+    "EngineConfig": "paged_jax.config.engine_config",
+    "SamplingParams": "paged_jax.core.sampling_params",
+    "BeamSearchParams": "paged_jax.core.beam_search",
+    "BeamSearchOutput": "paged_jax.core.outputs",
+    "RequestOutput": "paged_jax.core.outputs",
+    "CompletionOutput": "paged_jax.core.outputs",
+    "ModelConfig": "paged_jax.config.model_config",
+    "RopeScaling": "paged_jax.config.model_config",
     "load_model": "paged_jax.loading",
 }
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paged_jax.compilation_cache import enable_compilation_cache
+from paged_jax.worker.compilation_cache import enable_compilation_cache
 
 enable_compilation_cache()
 
@@ -21,7 +21,7 @@ def tiny_llama():
 
     import configs
     from paged_jax.loading import LoadedModel
-    from paged_jax.model import init_params
+    from paged_jax.model.llama import init_params
     cfg = configs.get_config("tiny_llama")
     return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, "memory", "memory", 0.0)
 
@@ -41,9 +41,9 @@ def smollm2_hf(smollm2_path):
 
 @pytest.fixture(scope="session")
 def live_server():
-    """The OpenAI-compatible server on a SmolLM2 engine, on loopback (tests/server_harness.py);
+    """The OpenAI-compatible server on a SmolLM2 engine, on loopback (tests/helpers/server_harness.py);
     built once for test_server*.py, stopped (engine thread joined) at the end."""
-    from server_harness import start_live_server
+    from tests.helpers.server_harness import start_live_server
     server = start_live_server()
     yield server
     server.uvicorn.stop()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from greedy_check import assert_greedy_match
+from tests.helpers.greedy_check import assert_greedy_match
 
 
 def test_near_tie_is_accepted_and_real_differences_are_not():

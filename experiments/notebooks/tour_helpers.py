@@ -14,8 +14,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from paged_jax.batch_inputs import BatchInputs, prepare_batch
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.worker.batch_inputs import BatchInputs, prepare_batch
 
 
 def running_seqs(engine, request_id: str) -> list:

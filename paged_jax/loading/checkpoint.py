@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.model import Params, param_shapes
-from paged_jax.model_config import ModelConfig, RopeScaling
+from paged_jax.config.model_config import ModelConfig, RopeScaling
+from paged_jax.model.llama import Params, param_shapes
 
 MARKER = "paged_jax_model.json"
 FORMAT_VERSION = 1

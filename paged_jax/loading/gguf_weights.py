@@ -27,10 +27,10 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from paged_jax.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from paged_jax.loading.placement import place_params
-from paged_jax.model import Params, param_shapes
-from paged_jax.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from paged_jax.rope import inverse_frequencies
+from paged_jax.model.llama import Params, param_shapes
+from paged_jax.model.rope import inverse_frequencies
 
 # Architectures whose q/k rows llama.cpp's converter interleaved for its rotate-pairs RoPE.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_jax.model_config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling
+from paged_jax.config.model_config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling
 
 # model_type -> the causal-LM class transformers builds for it (config.json's `architectures`).
 CAUSAL_LM_CLASSES = {

@@ -4,7 +4,7 @@ The directory holds `config.json` and safetensors weights, either one
 `model.safetensors` or shards listed in `model.safetensors.index.json`. Tensors are read
 with safetensors' numpy backend (no torch at runtime), each Linear weight is transposed
 from torch's [out, in] to our [in, out], per-layer tensors are stacked on a leading
-layer axis (see `paged_jax.model`), and everything is cast to the requested dtype on
+layer axis (see `paged_jax.model.llama`), and everything is cast to the requested dtype on
 the host, one tensor at a time, before moving to the device.
 
 The set of tensor names must match the config exactly: a missing tensor or an
@@ -26,10 +26,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from paged_jax.config.model_config import ModelConfig
 from paged_jax.loading.hf_config import config_from_hf
 from paged_jax.loading.placement import place_params
-from paged_jax.model import Params, param_shapes
-from paged_jax.model_config import ModelConfig
+from paged_jax.model.llama import Params, param_shapes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

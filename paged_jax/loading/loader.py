@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from paged_jax.config.model_config import ModelConfig
 from paged_jax.loading import checkpoint, registry
-from paged_jax.model import Params
-from paged_jax.model_config import ModelConfig
+from paged_jax.model.llama import Params
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 

@@ -2,7 +2,7 @@
 
 Loaders build every parameter in host memory (numpy) and call `place_params` last. With
 no sharding rule each array goes whole to the default device (the single-device path);
-with one (tensor parallelism, `paged_jax.tensor_parallel.sharding_rule`) each device
+with one (tensor parallelism, `paged_jax.distributed.tensor_parallel.sharding_rule`) each device
 receives only its own slice, so the model is never whole on one device, and under
 multi-host each process transfers only its own devices' slices.
 """
@@ -14,9 +14,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from paged_jax.model import Params
+from paged_jax.model.llama import Params
 
-# parameter name (a key of paged_jax.model's layout) and shape -> its jax.sharding.Sharding
+# parameter name (a key of paged_jax.model.llama's layout) and shape -> its jax.sharding.Sharding
 ShardingOf = Callable[[str, tuple], jax.sharding.Sharding]
 
 

@@ -1,0 +1,1 @@
+"""Shared code of the benchmark entry points: seeded workloads, trace replay, kernel timing."""

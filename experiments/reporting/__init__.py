@@ -1,0 +1,1 @@
+"""Shared code of the results files, the README table and the plots."""

@@ -1,0 +1,60 @@
+"""One JSON record per experiment run under experiments/results/.
+
+Every record carries what is needed to rerun and to judge it: the command line, the
+flags, the seed, library versions and the device, next to the figures themselves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+    devices = jax.devices()
+    return {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": devices[0].platform,
+        "device": devices[0].device_kind,
+        "num_devices": len(devices),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+def round_or_none(value, digits: int):
+    """round(value, digits), or None for a figure that does not exist (e.g. no step waited)."""
+    return None if value is None else round(value, digits)
+
+
+def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = None,
+                 results_dir: str = RESULTS_DIR) -> str:
+    """Write `results_dir/<name>.json` and return its path (one file per named run)."""
+    os.makedirs(results_dir, exist_ok=True)
+    # the module that ran (`python -m experiments.X` puts X's path in argv[0]); the name
+    # need not be the module's (one script can write several records)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    module = script[:-3] if script.endswith(".py") else name.split(".")[0]
+    record = {
+        "name": name,
+        "command": " ".join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flags": flags,
+        "seed": seed,
+        "environment": environment(),
+        "figures": figures,
+    }
+    path = os.path.join(results_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return path

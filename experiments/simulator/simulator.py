@@ -1,0 +1,169 @@
+"""The simulator's engine: the real LLMEngine with a model-free runner on a virtual clock.
+
+The runner samples a fixed token per scheduled row and advances the clock by a step-time
+model (step_time_model.py); everything else (scheduler, block manager or contiguous
+allocator, stop checks, outputs, stats) is the engine's own code, so the schedule is the
+real engine's step for step (tests/experiments/test_simulate.py checks it).
+`python -m experiments.simulate` is the entry point over this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+
+import numpy as np
+
+from experiments.simulator.step_time_model import StepTimeModel, step_features
+from paged_jax.config.engine_config import EngineConfig
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.loading import LoadedModel
+from paged_jax.worker.model_runner import StepResult
+
+SIMULATED_TOKEN_ID = 3  # what the model-free runner "samples": any id that is no stop token works
+
+
+class VirtualClock:
+    """Seconds of simulated time; the engine reads it where it would read time.monotonic."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimulatedRunner:
+    """ModelRunner's interface without a model: each step samples SIMULATED_TOKEN_ID for
+    every row and advances the clock by the step-time model's time for the step. No
+    device time is spent (device_seconds stays 0); swaps cost nothing in the model."""
+
+    num_compilations = 0
+
+    def __init__(self, model_config, params, config: EngineConfig, *, num_blocks: int, num_host_blocks: int,
+                 step_model: StepTimeModel, clock: VirtualClock):
+        del params, num_blocks, num_host_blocks
+        self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
+        self.device_seconds = 0.0
+        self._model, self._clock = step_model, clock
+        self._buckets = (config.seq_buckets, config.token_buckets) if step_model.bucketed else ()
+
+    def warm_up(self) -> None:
+        """Nothing to compile."""
+
+    def execute(self, output, seqs) -> StepResult:
+        del seqs
+        self._clock.now += self._model.seconds(*step_features(output, *self._buckets))
+        n = len(output.chunks)
+        return StepResult([SIMULATED_TOKEN_ID] * n, [0.0] * n, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTimes:
+    arrival: float
+    first_token: float
+    finish: float
+    num_output_tokens: int
+
+
+class Simulator:
+    """One simulated engine over one trace (requests sorted by arrival time).
+
+    `engine` is a real LLMEngine (`model_config` gives it a vocabulary and KV layout, no
+    weights); `times` fills with each finished request's virtual times.
+    """
+
+    def __init__(self, trace, config: EngineConfig, step_model: StepTimeModel, model_config):
+        if any(b.arrival_time < a.arrival_time for a, b in itertools.pairwise(trace)):
+            raise ValueError("the trace must be sorted by arrival time")
+        self.trace = trace
+        make_engine, self.clock, _ = simulated_serving(model_config, step_model)
+        self.engine = make_engine(config)
+        self.times: dict[int, RequestTimes] = {}  # trace index -> times, filled as requests finish
+
+    def run(self, progress=None) -> dict:
+        """Serve the whole trace; returns the engine's stats plus latency and throughput
+        figures on the virtual clock and the wall seconds spent. `progress(n)` is called
+        with the number of requests that finished in each step. wall_seconds and
+        cpu_seconds (this process) time the simulation itself: on a shared machine the CPU
+        time is the steadier figure."""
+        engine, clock, trace = self.engine, self.clock, self.trace
+        start, cpu_start = time.perf_counter(), time.process_time()
+        next_index = 0
+        while next_index < len(trace) or engine.has_unfinished_requests():
+            while next_index < len(trace) and trace[next_index].arrival_time <= clock.now:
+                request = trace[next_index]
+                engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
+                                   SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
+                                   arrival_time=request.arrival_time)
+                next_index += 1
+            if not engine.has_unfinished_requests():  # idle until the next arrival
+                clock.now = trace[next_index].arrival_time
+                continue
+            finished = 0
+            for out in engine.step():
+                if out.finished:
+                    metrics = out.metrics
+                    self.times[int(out.request_id)] = RequestTimes(
+                        metrics["arrival_time"], metrics["first_token_time"], metrics["finish_time"],
+                        len(out.outputs[0].token_ids))
+                    finished += 1
+            if progress is not None and finished:
+                progress(finished)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
+                "cpu_seconds": cpu}
+
+
+def simulated_serving(model_config, step_model: StepTimeModel):
+    """(make_engine(config), clock, sleep) for running engines in virtual time (the
+    Simulator; experiments/benchmarks/replay.py under serving_sweep --simulate): one VirtualClock
+    shared by the driver, the engines' metrics and their SimulatedRunners; `sleep`
+    advances it. `model_config` gives a vocabulary and KV layout, no weights."""
+    model = LoadedModel(model_config, None, None, "simulated", "none", 0.0)
+    clock = VirtualClock()
+
+    def make_engine(config: EngineConfig) -> LLMEngine:
+        factory = functools.partial(SimulatedRunner, step_model=step_model, clock=clock)
+        return LLMEngine(model, config, runner_factory=factory, clock=clock, final_outputs_only=True)
+
+    def sleep(seconds: float) -> None:
+        clock.now += max(0.0, seconds)
+
+    return make_engine, clock, sleep
+
+
+def _percentiles(values, name: str) -> dict:
+    if not values:
+        return {f"{name}_p{q}": None for q in (50, 90, 99)}
+    return {f"{name}_p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)}
+
+
+def latency_figures(times: list[RequestTimes]) -> dict:
+    """Per-request latency on the virtual clock, summarized:
+
+    - normalized latency: (finish - arrival) / output tokens, mean over requests (the
+      paper's serving metric, Fig. 12);
+    - TTFT: first token - arrival; TPOT: (finish - first token) / (output tokens - 1),
+      over requests with at least two output tokens;
+    - throughput: requests and output tokens per second between the first arrival and
+      the last finish.
+    """
+    if not times:
+        return {"num_requests": 0}
+    normalized = [(t.finish - t.arrival) / t.num_output_tokens for t in times]
+    ttft = [t.first_token - t.arrival for t in times]
+    tpot = [(t.finish - t.first_token) / (t.num_output_tokens - 1) for t in times if t.num_output_tokens > 1]
+    duration = max(t.finish for t in times) - min(t.arrival for t in times)
+    output_tokens = sum(t.num_output_tokens for t in times)
+    return {
+        "num_requests": len(times), "output_tokens": output_tokens, "virtual_seconds": duration,
+        "requests_per_s": len(times) / duration if duration > 0 else math.inf,
+        "output_tokens_per_s": output_tokens / duration if duration > 0 else math.inf,
+        "mean_normalized_latency_s": float(np.mean(normalized)),
+        **_percentiles(ttft, "ttft_s"), **_percentiles(tpot, "tpot_s"),
+    }

@@ -1,0 +1,106 @@
+"""EngineConfig: every setting of the paged engine, frozen and validated.
+
+`LLM(model, **settings)` takes these fields as keywords. Fields left None are resolved
+against the model when the engine starts (`resolve`), so the resolved config records
+exactly what ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PREEMPTION_MODES = ("recompute", "swap")
+KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
+
+
+MIDPOINT_BUCKETS_FROM = 32  # from this size on, default buckets add the 1.5x midpoints
+
+
+def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo, with 1.5x midpoints from MIDPOINT_BUCKETS_FROM on, and hi.
+
+    Why the midpoints: a batch pads up to its bucket, and on a CPU a big step costs about
+    linearly in its padded size (SmolLM2: 194 ms at 64 rows, 254 at 96, 308 at 128;
+    `python -m experiments.step_shape_costs`), so
+    65 sequences in a 128 bucket nearly double the step. Midpoints keep the padding of
+    big batches under half (65 -> 96) and cost only a few more shapes to compile (none
+    below 32).
+    """
+    out, n = [], 1
+    while n < hi:
+        if n >= lo:
+            out.append(n)
+        if n >= MIDPOINT_BUCKETS_FROM and n * 3 // 2 < hi:
+            out.append(n * 3 // 2)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # device KV blocks incl. the null block; None: from the byte budget
+    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: 512 MiB
+    max_model_len: int | None = None  # prompt + output cap; None: min(model limit, 2048)
+    max_num_seqs: int = 32  # sequences per step
+    max_num_batched_tokens: int = 256  # tokens per step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
+    preemption_mode: str = "recompute"  # or "swap" (to host memory)
+    swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
+    attention_backend: str = "auto"  # "pallas" kernel | "reference" jnp | "auto": per platform, measured
+    dtype: str = "float32"  # parameters, activations and KV cache
+    seed: int = 0  # seeds requests that give none
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
+    enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes across requests
+    max_logprobs: int = 20  # top-k logprobs each step returns (API logprobs; beam candidates)
+    seq_buckets: tuple[int, ...] | None = None  # padded batch sizes; None: default_buckets to max_num_seqs
+    token_buckets: tuple[int, ...] | None = None  # padded token counts; None: default_buckets (>= 8)
+    # "paged": blocks on demand (BlockManager). "contiguous-max" / "-pow2" / "-oracle": the
+    # paper's Orca-style baselines (contiguous_allocator.py): one first-fit contiguous run
+    # per request reserved at admission for max_model_len tokens / the next power of two
+    # >= its final length / exactly its final length; no sharing, swap or prefix caching.
+    kv_allocator: str = "paged"  # "paged" | baselines "contiguous-max" | "contiguous-pow2" | "contiguous-oracle"
+    # > 1: shard attention heads, MLP and KV cache over a mesh of this many devices
+    # (paged_jax/distributed/tensor_parallel.py); the KV budget (kv_cache_memory_bytes) is then per device
+    tensor_parallel_size: int = 1  # devices in the tensor-parallel mesh axis; must divide num_heads and num_kv_heads
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
+        if self.kv_allocator != "paged":
+            if self.preemption_mode != "recompute":
+                raise ValueError(f"kv_allocator={self.kv_allocator!r} has no swap: use preemption_mode='recompute'")
+            object.__setattr__(self, "enable_prefix_caching", False)  # contiguous baselines share nothing
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.swap_space_bytes < 0 or not 0 <= self.watermark < 1:
+            raise ValueError("swap_space_bytes must be >= 0 and watermark in [0, 1)")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 1:
+            raise ValueError(f"max_logprobs must be an int >= 1, got {self.max_logprobs!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token per step")
+        if self.seq_buckets is None:
+            object.__setattr__(self, "seq_buckets", default_buckets(1, self.max_num_seqs))
+        if self.token_buckets is None:
+            object.__setattr__(self, "token_buckets", default_buckets(8, self.max_num_batched_tokens))
+        object.__setattr__(self, "seq_buckets", tuple(sorted(set(self.seq_buckets))))
+        object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
+        if self.seq_buckets[-1] < self.max_num_seqs or self.token_buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError("the largest seq/token bucket must cover max_num_seqs/max_num_batched_tokens")

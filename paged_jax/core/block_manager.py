@@ -1,0 +1,383 @@
+"""Block tables: which physical blocks hold each sequence's KV cache.
+
+The block manager maps sequence ids to block tables (logical block i holds tokens
+`[i*block_size, (i+1)*block_size)`), grows them on demand, shares blocks between forked
+sequences with reference counts and copy-on-write, and moves whole groups of sequences
+to a host pool and back (swap preemption). It decides nothing: the scheduler asks
+`can_*` questions and then issues orders. Pure Python, no jax or numpy.
+
+Prefix caching (`enable_prefix_caching`). When a caller passes a sequence's tokens to
+`allocate_slots`, every block that becomes full is registered in the device pool under
+a chained hash of (parent block's hash, the block's token ids, extra keys), so equal
+prefixes give equal hashes. `find_cached_prefix` walks a new sequence's full blocks
+through that map, verifying each hit's key in full, and `allocate_slots(...,
+cached_blocks=hits)` makes them the head of its table; those tokens need no compute.
+Cached blocks whose last holder is gone stay in the free queue with their hash (LRU) and
+are evicted only when handed out for new contents.
+
+Copy orders. `allocate_slots`, `swap_out` and `swap_in` return `(src, dst)` block-id
+pairs that the runner must execute before the next forward pass. Executing them in the
+order the calls returned them is always correct. The usual batched order (swap-out, then
+swap-in, then copy-on-write) is equivalent as long as one step neither swaps out a
+sequence it has already grown nor swaps in and out in the same step.
+"""
+
+from __future__ import annotations
+
+from paged_jax.core.block_manager_invariants import broken_invariants
+from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class BlockManager:
+    """Per-sequence block tables over a device pool (with a null block 0) and a host pool.
+
+    Invariants (see `check_invariants`): each sequence's table has exactly
+    `num_blocks_needed(num_tokens)` blocks, all on the device unless the sequence is
+    swapped, in which case all on the host; each block's ref_count equals the number of
+    tables holding it; every non-null block is free xor referenced; the null block is in
+    no table. Only a table's last block may be partly full, and a partly full block is
+    written only by a sequence that holds it alone (copy-on-write).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+        _check_int("num_blocks", num_blocks, 2)  # the null block plus at least one usable
+        _check_int("block_size", block_size, 1)
+        _check_int("num_host_blocks", num_host_blocks, 0)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) \
+                or not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.watermark = watermark
+        self.enable_prefix_caching = enable_prefix_caching
+        self._device = BlockPool(num_blocks, reserve_null_block=True)
+        self._host = BlockPool(num_host_blocks, reserve_null_block=False)
+        # Blocks to keep free when admitting new sequences or swapping in, so that the
+        # running ones can keep growing for a while without preemption (vLLM's watermark).
+        self.watermark_blocks = int(watermark * self.num_usable_blocks)
+        self._tables: dict[int, list[KVCacheBlock]] = {}  # seq id -> block table
+        self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
+        self._swapped: set[int] = set()  # seq ids whose tables refer to host blocks
+        # seq id -> chained hashes of its full blocks, in logical order (prefix caching)
+        self._hashes: dict[int, list[int]] = {}
+        self._extra_keys: dict[int, tuple] = {}  # seq id -> extra hash keys (e.g. an adapter)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Device blocks that can ever be handed out: num_blocks - 1 (the null block)."""
+        return self._device.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._device.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of usable device blocks held by some sequence."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+        _check_int("num_tokens", num_tokens, 0)
+        return -(-num_tokens // self.block_size)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def is_swapped(self, seq_id: int) -> bool:
+        self._require(seq_id)
+        return seq_id in self._swapped
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of the sequence, in logical order (host ids if swapped)."""
+        return [b.block_id for b in self._require(seq_id)]
+
+    def num_tokens(self, seq_id: int) -> int:
+        self._require(seq_id)
+        return self._num_tokens[seq_id]
+
+    def num_tokens_held(self) -> int:
+        """Tokens stored in device blocks, counting each physical block once: every held
+        block is full except a table's last one (shared only by forks, at the same fill)."""
+        fill: dict[int, int] = {}  # block id -> tokens in a partly full last block
+        for seq_id, table in self._device_tables():
+            if self._num_tokens[seq_id] % self.block_size:
+                fill[table[-1].block_id] = self._num_tokens[seq_id] % self.block_size
+        return self.num_slots_allocated() - sum(self.block_size - f for f in fill.values())
+
+    def num_slots_allocated(self) -> int:
+        """Token slots in device blocks held by some sequence (each block once): O(1), as
+        every usable block is free xor held. num_tokens_held() / num_slots_allocated() is
+        the KV-cache utilization metric (waste: < block_size slots per last block)."""
+        return (self.num_usable_blocks - self.num_free_blocks) * self.block_size
+
+    def num_blocks_without_sharing(self) -> int:
+        """Device blocks the device-resident tables would need if nothing were shared."""
+        return sum(len(table) for _, table in self._device_tables())
+
+    @property
+    def num_blocks_cached(self) -> int:
+        """Device blocks registered in the prefix cache (held or free-but-reusable)."""
+        return len(self._device.cached)
+
+    @property
+    def num_evictions(self) -> int:
+        return self._device.num_evictions
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = ()) -> list[KVCacheBlock]:
+        """The longest run of cached blocks equal to the sequence's leading full blocks.
+
+        `tokens(start, end)` returns the sequence's token ids; only tokens before the last
+        one are looked up, so at least one token is left to compute (its logits are
+        needed). Returns [] when prefix caching is off.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVCacheBlock] = []
+        parent = None
+        for i in range((num_tokens - 1) // self.block_size):
+            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra_keys)
+            block = self._device.lookup(hash(key), key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.block_hash
+        return hits
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (running sequences keep theirs); returns how many."""
+        return self._device.reset_cache()
+
+    def _cache_full_blocks(self, seq_id: int, tokens) -> None:
+        """Register the sequence's newly full blocks under their chained hashes."""
+        hashes = self._hashes.setdefault(seq_id, [])
+        table, extra = self._tables[seq_id], self._extra_keys.get(seq_id, ())
+        for i in range(len(hashes), self._num_tokens[seq_id] // self.block_size):
+            parent = hashes[-1] if hashes else None
+            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra)
+            block = table[i]  # registered already only if shared: then with this very key
+            hashes.append(block.block_hash if block.block_hash is not None
+                          else self._device.cache_block(block, key))
+
+    # ------------------------------------------------------------------ admission and growth
+
+    def can_allocate(self, num_tokens: int, cached_blocks: list[KVCacheBlock] = (), *, final_num_tokens=None) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits, leaving the watermark free
+        (`final_num_tokens` is for contiguous allocators; ignored here).
+
+        Cache hits need no new block, but a hit on a free cached block takes it out of
+        the free queue, so it counts against the free blocks like a new one.
+        """
+        needed = self.num_blocks_needed(num_tokens) - len(cached_blocks)
+        needed += sum(1 for b in cached_blocks if b.ref_count == 0)
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None,
+                       cached_blocks: list[KVCacheBlock] = (),
+                       extra_keys: tuple = (), final_num_tokens=None) -> list[tuple[int, int]] | None:
+        """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
+
+        A new sequence may start from `cached_blocks` (from `find_cached_prefix`); with
+        prefix caching on and `tokens` given (`tokens(start, end)` -> token ids), the
+        blocks this call makes full are registered in the cache. `extra_keys` (new
+        sequences only) salt its hashes.
+
+        Blocks are added only when the last one is full (on demand). If the sequence is
+        about to write into a partly full last block that another table shares, that
+        block is first replaced by a fresh private one and the returned list holds the
+        copy order `(src_block_id, dst_block_id)`; a full shared block is never copied
+        (nobody writes into it). Returns None and changes nothing when the device lacks
+        free blocks; no watermark applies here, since running sequences may use it.
+        Shrinking is a ValueError; so is growing a swapped sequence.
+        """
+        table = self._tables.get(seq_id)
+        if table is not None and not cached_blocks and type(num_total_tokens) is int and seq_id not in self._swapped:
+            # Fast path, most decode steps (the simulator runs millions): the tokens fit the
+            # blocks the table has, and no copy-on-write is due (nothing new is written, or
+            # the last block is full, or it is private). Same effect as the general path.
+            current = self._num_tokens[seq_id]
+            if current <= num_total_tokens <= len(table) * self.block_size and (
+                    num_total_tokens == current or current % self.block_size == 0 or table[-1].ref_count == 1):
+                self._num_tokens[seq_id] = num_total_tokens
+                if self.enable_prefix_caching and tokens is not None:
+                    hashes = self._hashes.get(seq_id)
+                    if hashes is None or len(hashes) < num_total_tokens // self.block_size:
+                        self._cache_full_blocks(seq_id, tokens)
+                return []
+        _check_int("num_total_tokens", num_total_tokens, 0)
+        if cached_blocks:
+            if seq_id in self._tables:
+                raise ValueError(f"cached blocks can only start a new sequence; {seq_id} exists")
+            if len(cached_blocks) * self.block_size > num_total_tokens:
+                raise ValueError("cached blocks cover more tokens than asked for")
+            needed = self.num_blocks_needed(num_total_tokens) - len(cached_blocks)
+            if needed + sum(1 for b in cached_blocks if b.ref_count == 0) > self.num_free_blocks:
+                return None
+            self._device.incr_ref(cached_blocks)
+            self._tables[seq_id] = list(cached_blocks)
+            self._num_tokens[seq_id] = len(cached_blocks) * self.block_size
+            self._hashes[seq_id] = [b.block_hash for b in cached_blocks]
+        if seq_id not in self._tables and extra_keys:
+            self._extra_keys[seq_id] = tuple(extra_keys)
+        table = self._tables.get(seq_id, [])
+        if seq_id in self._swapped:
+            raise ValueError(f"sequence {seq_id} is swapped out; swap it in before growing it")
+        current = self._num_tokens.get(seq_id, 0)
+        if num_total_tokens < current:
+            raise ValueError(
+                f"sequence {seq_id} holds {current} tokens; cannot shrink to {num_total_tokens}")
+        num_new = self.num_blocks_needed(num_total_tokens) - len(table)
+        copy_on_write = (num_total_tokens > current and current % self.block_size != 0
+                         and table[-1].ref_count > 1)
+        if num_new + copy_on_write > self.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        if copy_on_write:
+            shared = table[-1]
+            (private,) = self._device.get_new_blocks(1)
+            table[-1] = private
+            self._device.free_blocks([shared])  # ref_count > 1, so it stays referenced
+            copies.append((shared.block_id, private.block_id))
+        table.extend(self._device.get_new_blocks(num_new))
+        self._tables[seq_id] = table
+        self._num_tokens[seq_id] = num_total_tokens
+        if self.enable_prefix_caching and tokens is not None:
+            self._cache_full_blocks(seq_id, tokens)
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give `child_id` the parent's table (every block gains a reference) and token count.
+
+        Used for parallel sampling and beam search; the children diverge later through
+        copy-on-write in `allocate_slots`. The parent must be device-resident.
+        """
+        parent = self._require(parent_id)
+        if parent_id in self._swapped:
+            raise ValueError(f"cannot fork sequence {parent_id}: it is swapped out")
+        if child_id in self._tables:
+            raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
+        self._device.incr_ref(parent)
+        self._tables[child_id] = list(parent)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        if parent_id in self._hashes:
+            self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._extra_keys:
+            self._extra_keys[child_id] = self._extra_keys[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references (device or host side) and forget it.
+
+        Blocks go to the free queue last block first, so a sequence's tail blocks (the
+        least likely to be shared as a prefix) are the first to be reused.
+        """
+        table = self._require(seq_id)
+        pool = self._host if seq_id in self._swapped else self._device
+        pool.free_blocks(reversed(table))
+        del self._tables[seq_id], self._num_tokens[seq_id]
+        self._swapped.discard(seq_id)
+        self._hashes.pop(seq_id, None)
+        self._extra_keys.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        """Whether the host pool can take a copy of every distinct block of the group."""
+        group = self._group_blocks(seq_ids, swapped=False)
+        return len(group) <= self.num_free_host_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a group's tables to host blocks; return `(device_id, host_id)` copy orders.
+
+        Each distinct device block gets one host block, so sharing inside the group
+        survives. A device block also held outside the group stays on the device with
+        the outsiders' references; otherwise it becomes free. Raises ValueError (and
+        changes nothing) if the host pool is too small: check `can_swap_out` first.
+        """
+        return self._move(seq_ids, src=self._device, dst=self._host, to_host=True)
+
+    def num_swap_in_blocks(self, seq_ids: list[int]) -> int:
+        """Device blocks a swapped group takes back: its distinct host blocks."""
+        return len(self._group_blocks(seq_ids, swapped=True))
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        """Whether the device can take the group back, leaving the watermark free."""
+        return self.num_free_blocks - self.num_swap_in_blocks(seq_ids) >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a swapped group back to device blocks; return `(host_id, device_id)` orders.
+
+        The inverse of `swap_out`: the host blocks are released and, for a group that
+        shared no block with outsiders when swapped out, device ref counts come back
+        equal. Raises ValueError (and changes nothing) if there are fewer free device
+        blocks than the group's distinct blocks (the watermark is `can_swap_in`'s rule).
+        """
+        return self._move(seq_ids, src=self._host, dst=self._device, to_host=False)
+
+    def _move(self, seq_ids: list[int], *, src: BlockPool, dst: BlockPool,
+              to_host: bool) -> list[tuple[int, int]]:
+        group = self._group_blocks(seq_ids, swapped=not to_host)
+        if len(group) > dst.num_free_blocks:
+            side = "host" if to_host else "device"
+            raise ValueError(
+                f"swapping {len(group)} blocks needs as many free {side} blocks; "
+                f"{dst.num_free_blocks} are free")
+        mapping: dict[int, KVCacheBlock] = {}  # id(old block) -> its copy
+        for (block, refs), copy in zip(group, dst.get_new_blocks(len(group))):
+            dst.incr_ref([copy] * (refs - 1))  # one reference per table, as before
+            mapping[id(block)] = copy
+        for seq_id in seq_ids:
+            old = self._tables[seq_id]
+            self._tables[seq_id] = [mapping[id(b)] for b in old]
+            src.free_blocks(reversed(old))
+            if to_host:
+                self._swapped.add(seq_id)
+            else:
+                self._swapped.discard(seq_id)
+        return [(block.block_id, mapping[id(block)].block_id) for block, _ in group]
+
+    def _group_blocks(self, seq_ids: list[int], *,
+                      swapped: bool) -> list[tuple[KVCacheBlock, int]]:
+        """Validate a swap group; return its distinct blocks (first-seen order) with the
+        number of the group's tables holding each."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate sequence ids in swap group {seq_ids}")
+        counts: dict[int, list] = {}  # id(block) -> [block, tables holding it]
+        for seq_id in seq_ids:
+            table = self._require(seq_id)
+            if (seq_id in self._swapped) != swapped:
+                where = "device-resident" if swapped else "swapped out"
+                raise ValueError(f"sequence {seq_id} is {where}; cannot swap it that way")
+            for block in table:
+                counts.setdefault(id(block), [block, 0])[1] += 1
+        return [(block, refs) for block, refs in counts.values()]
+
+    # ------------------------------------------------------------------ checks
+
+    def _require(self, seq_id: int) -> list[KVCacheBlock]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+
+    def _device_tables(self):
+        return ((s, t) for s, t in self._tables.items() if s not in self._swapped)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError listing every broken invariant (see the class docstring)."""
+        problems = broken_invariants(self)
+        if problems:
+            raise AssertionError("block manager invariants broken:\n  " + "\n  ".join(problems))

@@ -1,0 +1,52 @@
+"""What generation returns, with vLLM's names so users' code carries over."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs
+    # Per position, the `SamplingParams.logprobs` most likely (token id, logprob), best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict | None = None  # arrival / first-token / finish times (seconds, time.monotonic)
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field)
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One returned beam: generated tokens only (an EOS that ended it included)."""
+
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # the ranking key: cum_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (ended with EOS) or "length"
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]  # best first

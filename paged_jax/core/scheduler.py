@@ -1,0 +1,236 @@
+"""Continuous batching at iteration level: which sequences run this step, and how far.
+
+Three queues, FCFS: waiting (new, or preempted by recompute), running (hold device
+blocks), swapped (blocks in host memory). Each step every scheduled sequence's
+`num_computed_tokens` catches up towards its `num_tokens` under one token budget
+(`max_num_batched_tokens`), so a prefill chunk and decode tokens share a step (vLLM v1's
+rule; there is no separate prefill phase). Order of service: running first (in
+admission order), then swapped back in, then waiting. When the block manager cannot
+grow a running sequence, the most recently admitted request's running sequences (kept
+adjacent in `running`) are preempted together, by recompute (free their blocks, requeue
+them at the front of waiting) or by swap (copy their blocks to host memory as one
+group, so blocks they share stay shared). A step that preempted admits nothing new.
+
+Sharing: a new sequence starts from the longest run of cached blocks of its prefix
+(prefix caching), and the completions of an `n > 1` request are forked from its first
+sequence once all its prompt tokens but the last are computed (`pending_forks`).
+
+Pure Python; the runner sees only the returned SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from paged_jax.config.engine_config import EngineConfig
+from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from paged_jax.core.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order (a request's sequences adjacent)
+        self.swapped: collections.deque[list[Sequence]] = collections.deque()  # swap groups
+        self.num_preemptions = 0  # sequences preempted (a group counts each member)
+        self.prefix_cache_query_tokens = 0  # tokens of admitted sequences looked up
+        self.prefix_cache_hit_tokens = 0  # of those, tokens found in cached blocks
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(len(group) for group in self.swapped)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove a sequence from whichever queue holds it and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            for group in self.swapped:
+                if seq in group:
+                    group.remove(seq)
+                    if not group:
+                        self.swapped.remove(group)
+                    break
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+        seq.status = status
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child` (a copy of the parent's tokens) right after the parent's request
+        members; a running parent shares all its blocks with it (copy-on-write later)."""
+        bm = self.block_manager
+        if parent.status is SequenceStatus.RUNNING:
+            bm.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            i = self.running.index(parent) + 1
+            while i < len(self.running) and self.running[i].request_id == parent.request_id:
+                i += 1
+            self.running.insert(i, child)
+        else:  # waiting or swapped: the child computes its tokens from scratch
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            i = self.waiting.index(parent) + 1 if parent in self.waiting else 0
+            self.waiting.insert(i, child)
+
+    def _fork_if_ready(self, seq: Sequence) -> list[Sequence]:
+        """Fork a running sequence's pending completions once it reached its fork point."""
+        if not seq.pending_forks or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        children, seq.pending_forks = seq.pending_forks, []
+        for child in children:
+            self.fork(seq, child)
+        return children
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._budget = self.config.max_num_batched_tokens
+        self._chunks: list[ScheduledChunk] = []
+        self._copies: list[tuple[int, int]] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted: list[int] = []
+        bm = self.block_manager
+
+        # 1. running sequences, in admission order
+        i = 0
+        while i < len(self.running) and self._has_room():
+            seq = self.running[i]
+            if seq.pending_forks:
+                self._fork_if_ready(seq)
+            num_new = self._num_new_tokens(seq)
+            while num_new and not self._try_schedule(seq, num_new):
+                victims = self._victims(i)
+                swap_out.extend(self._preempt(victims))
+                preempted.extend(v.seq_id for v in victims)
+                if seq in victims:
+                    break
+            i += 1
+
+        # 2. swapped groups come back (whole) before new sequences are admitted
+        while self.swapped and not preempted and self._has_room():
+            group = self.swapped[0]
+            ids = [s.seq_id for s in group]
+            growth = sum(bm.num_blocks_needed(s.num_tokens_to_compute) - bm.num_blocks_needed(s.num_computed_tokens)
+                         + 1 for s in group)  # + 1: a copy-on-write each, at most
+            if bm.num_free_blocks - bm.num_swap_in_blocks(ids) - growth < bm.watermark_blocks:
+                break
+            self.swapped.popleft()
+            swap_in.extend(bm.swap_in(ids))
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                num_new = self._num_new_tokens(seq)
+                if num_new and self._has_room() and not self._try_schedule(seq, num_new):
+                    raise AssertionError("checked above: the group and its growth fit")
+
+        # 3. waiting sequences, FCFS, while blocks and budget last
+        while self.waiting and not preempted and not self.swapped and self._has_room():
+            seq = self.waiting[0]
+            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+            num_cached = len(hits) * bm.block_size
+            missing = seq.num_tokens_to_compute - num_cached
+            num_new = self._fit_budget(missing)
+            final = seq.final_num_tokens  # contiguous allocators reserve for it; BlockManager ignores it
+            if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
+                break
+            orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
+                                       final_num_tokens=final)
+            assert orders == [], "a new sequence writes only into fresh blocks"
+            self.waiting.popleft()
+            self.prefix_cache_query_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += num_cached
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if num_new:
+                self._add_chunk(seq, num_new)
+            for child in self._fork_if_ready(seq):  # the cache held all but the last token
+                if self._has_room():
+                    self._try_schedule(child, self._num_new_tokens(child))
+
+        return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
+                               tuple(preempted))
+
+    def _has_room(self) -> bool:
+        return self._budget > 0 and len(self._chunks) < self.config.max_num_seqs
+
+    def _fit_budget(self, missing: int) -> int:
+        """All missing tokens if they fit the budget; else, with chunked prefill, what fits."""
+        if missing <= self._budget:
+            return missing
+        return self._budget if self.config.enable_chunked_prefill else 0
+
+    def _num_new_tokens(self, seq: Sequence) -> int:
+        return self._fit_budget(max(seq.num_tokens_to_compute - seq.num_computed_tokens, 0))
+
+    def _try_schedule(self, seq: Sequence, num_new: int) -> bool:
+        """Grow `seq` by `num_new` slots and add its chunk; False (nothing changed) if the
+        device lacks blocks."""
+        orders = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
+                                                   tokens=seq.token_ids)
+        if orders is None:
+            return False
+        self._copies.extend(orders)
+        self._add_chunk(seq, num_new)
+        return True
+
+    def _add_chunk(self, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        self._chunks.append(ScheduledChunk(
+            seq_id=seq.seq_id, token_ids=tuple(seq.token_ids(start, start + num_new)), start_position=start,
+            block_table=tuple(self.block_manager.block_table(seq.seq_id)), sample=start + num_new == seq.num_tokens))
+        self._budget -= num_new
+
+    def _victims(self, i: int) -> list[Sequence]:
+        """The most recently admitted request's running sequences at positions >= i (the
+        trailing run of `running`: a request's sequences are adjacent)."""
+        request_id = self.running[-1].request_id
+        j = len(self.running) - 1
+        while j > i and self.running[j - 1].request_id == request_id:
+            j -= 1
+        return self.running[j:]
+
+    def _preempt(self, victims: list[Sequence]) -> list[tuple[int, int]]:
+        """Preempt running sequences as one group; returns swap-out orders (empty for
+        recompute)."""
+        for seq in victims:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+        self.num_preemptions += len(victims)
+        bm, ids = self.block_manager, [s.seq_id for s in victims]
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(ids):
+            for seq in victims:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(list(victims))
+            return bm.swap_out(ids)
+        for seq in reversed(victims):  # recompute (or swap space is full): start over from the tokens
+            bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return []
+
+    def update(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> list[tuple[int, Sequence]]:
+        """Advance computed counts after a step; returns (row, sequence) for each chunk that
+        sampled (the engine appends the token, or hands a beam its candidates)."""
+        sampled = []
+        for row, chunk in enumerate(output.chunks):
+            seq = seqs[chunk.seq_id]
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                sampled.append((row, seq))
+        return sampled

@@ -1,0 +1,95 @@
+"""A sequence: the token ids of one completion and how far its KV cache has caught up.
+
+The scheduler's unit of work. `num_computed_tokens` counts tokens whose K/V are in the
+cache; each step the scheduler lets it catch up towards `num_tokens` (a prefill chunk,
+or the one token sampled last step), so prefill and decode are the same operation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from paged_jax.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted by recompute
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # preempted by swap: its blocks are in host memory
+    FINISHED_STOPPED = "stop"  # hit a stop token or string
+    FINISHED_LENGTH = "length"  # hit max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # aborted by the caller
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int  # unique for the engine's lifetime; the block manager's key
+    request_id: str
+    index: int  # completion index within its request (0..n-1)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    seed: int  # the request's seed, or one the engine drew for it
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    # Parallel sampling: the request's other completions, forked from this sequence (sharing
+    # its blocks) once all prompt tokens but the last are computed; each then computes the
+    # last prompt token itself and samples its own first token.
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
+    # Top-k (token id, logprob) alternatives of each sampled position, when asked for.
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # Beam search: this beam's next-token candidates from its last step, awaiting the
+    # request's other beams (the host picks the next beams once every beam has them).
+    beam_candidates: list[tuple[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    # Prefix caching: requests with different salts never share cached blocks (vLLM's
+    # cache_salt; part of every block key of this sequence's prompt).
+    cache_salt: str | None = None
+    # Prompt tokens whose K/V came from the prefix cache at this sequence's first admission
+    # (vLLM's RequestOutput.num_cached_tokens).
+    num_cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def final_num_tokens(self) -> int:
+        """Prompt + max_tokens: the length it reaches unless a stop ends it first (the engine
+        also caps it at max_model_len); contiguous allocators reserve for it at admission."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:  # decode steps: no copy of the whole sequence per step
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose K/V this sequence should reach now: all, or, while completions wait
+        to be forked from it, all but the last (each fork computes that one itself)."""
+        return self.num_tokens - 1 if self.pending_forks else self.num_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -1,0 +1,92 @@
+"""LLM: the notebook-facing API, with vLLM's names.
+
+    llm = LLM("smollm2-135m", block_size=16)
+    outputs = llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=32))
+    llm.beam_search(["Hello!"], BeamSearchParams(beam_width=4, max_tokens=32))
+    llm.stats()
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from paged_jax.config.engine_config import EngineConfig
+from paged_jax.core.beam_search import BeamSearchParams
+from paged_jax.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.loading import LoadedModel
+
+
+class LLM:
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", **engine_settings):
+        """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
+        checkpoint or an already loaded model; `engine_settings`: EngineConfig fields."""
+        self.engine = LLMEngine(model, EngineConfig(**engine_settings))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (a str, a list of str, or {"prompt_token_ids": [...]}
+        dicts); returns one RequestOutput per prompt, in input order. All prompts are
+        validated before any is queued, so a bad one leaves the engine untouched."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self._run(prompts, params, "generate", use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search inside the paged engine (transformers' algorithm with
+        early_stopping=False); per prompt, the beam_width beams best first. Beams share the
+        KV blocks of their common prefix and fork / free blocks as beams are kept or dropped."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        outputs = self._run(list(prompts), [params] * len(prompts), "beam search", use_tqdm)
+        return [BeamSearchOutput(o.prompt, o.prompt_token_ids,
+                                 [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.score,
+                                                     c.finish_reason) for c in o.outputs])
+                for o in outputs]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were forgotten."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts, params, desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        for prompt in prompts:  # validate everything first
+            _, ids = self.engine._tokenize(prompt)
+            self.engine._validate_prompt(ids)
+        ids = []
+        for prompt, p in zip(prompts, params):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            try:
+                self.engine.add_request(request_id, prompt, p)
+            except ValueError:  # e.g. n too large for the cache: queue all or nothing
+                for queued in ids:
+                    self.engine.abort_request(queued)
+                raise
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm or len(ids) < 2) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

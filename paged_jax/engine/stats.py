@@ -1,0 +1,123 @@
+"""Running figures of an engine: KV utilization, preemptions, compilations, step times.
+
+KV utilization is tokens held / token slots allocated on the device, sampled after each
+step's allocation and averaged over steps (the paper's measure of memory waste: with
+paging only each sequence's last block is partly empty).
+
+The waste behind it is split the same way, in token slots per step (`kv_waste` in
+contiguous_allocator.py): internal (reserved slots never to be used), reservation
+(reserved for the request's later tokens, not yet used) and external (free slots in gaps
+too short for the head of the waiting queue; 0 for paged blocks), the paper's Fig. 2.
+
+Sharing is measured the same way: each step, the blocks the device-resident block tables
+would need if nothing were shared (parallel samples, beams, prefix-cache hits) against
+the distinct blocks they hold; `sharing_savings` = 1 - held / needed-without-sharing,
+summed over steps (the paper's "memory saving" of Fig. 15 and 16).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from paged_jax.baselines.contiguous_allocator import kv_waste
+
+STEP_LOG_LENGTH = 10_000  # recent steps kept for per-step analysis
+
+
+class EngineStats:
+    def __init__(self, block_manager, scheduler, runner):
+        self._bm, self._scheduler, self._runner = block_manager, scheduler, runner
+        self.num_steps = 0
+        self._utilization_sum = 0.0
+        self._utilization_steps = 0
+        # waste in token slots summed over the same steps (contiguous_allocator.kv_waste)
+        self._waste_sums = {"internal": 0, "reservation": 0, "external": 0}
+        self._blocks_without_sharing_sum = 0  # summed over steps
+        self._blocks_used_sum = 0
+        self.host_seconds = 0.0  # scheduling, batch preparation, output processing
+        self.device_seconds = 0.0  # inside the jitted step and swaps
+        self.num_batched_tokens = 0
+        self.num_batched_seqs = 0
+        self.max_batched_seqs = 0
+        # steps that ran while requests still waited: their batch is what the KV budget
+        # (or max_num_seqs) admits, the paper's "batched requests" at saturation
+        self._waiting_at_schedule = False
+        self.num_saturated_steps = 0
+        self.saturated_batched_seqs = 0
+        # and what those steps produced in their wall time: the throughput the budget
+        # sustains under load (the paper's sustained rate), without the end-of-trace drain
+        self.saturated_seconds = 0.0
+        self.saturated_sampled_tokens = 0
+        self._compilations_at_warm_up = runner.num_compilations
+        # (num_seqs, num_tokens, host_seconds, device_seconds) of recent steps
+        self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG_LENGTH)
+
+    def record_schedule(self, output) -> None:
+        slots = self._bm.num_slots_allocated()
+        if slots:
+            self._utilization_sum += self._bm.num_tokens_held() / slots
+            self._utilization_steps += 1
+            waiting = self._scheduler.waiting
+            for kind, waste in kv_waste(self._bm, self._scheduler.running, waiting[0] if waiting else None).items():
+                self._waste_sums[kind] += waste
+        self._blocks_without_sharing_sum += self._bm.num_blocks_without_sharing()
+        self._blocks_used_sum += slots // self._bm.block_size
+        self._waiting_at_schedule = bool(self._scheduler.waiting or self._scheduler.swapped)
+
+    def record_step(self, output, step_seconds: float, device_seconds: float) -> None:
+        self.num_steps += 1
+        self.device_seconds += device_seconds
+        self.host_seconds += step_seconds - device_seconds
+        self.num_batched_tokens += output.num_batched_tokens
+        self.num_batched_seqs += len(output.chunks)
+        self.max_batched_seqs = max(self.max_batched_seqs, len(output.chunks))
+        if self._waiting_at_schedule:
+            self.num_saturated_steps += 1
+            self.saturated_batched_seqs += len(output.chunks)
+            self.saturated_seconds += step_seconds
+            self.saturated_sampled_tokens += sum(chunk.sample for chunk in output.chunks)
+        self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
+                              device_seconds))
+
+    def as_dict(self) -> dict:
+        bm, steps = self._bm, max(self.num_steps, 1)
+        return {
+            "num_blocks_total": bm.num_usable_blocks,
+            "num_blocks_free": bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "kv_utilization": self._utilization_sum / self._utilization_steps if self._utilization_steps else None,
+            # token slots per step, over the steps kv_utilization averages (contiguous_allocator.py): reserved
+            # never to be used / reserved for later tokens / free in gaps too short for the next waiting request
+            **{f"waste_{kind}_slots": total / self._utilization_steps if self._utilization_steps else None
+               for kind, total in self._waste_sums.items()},
+            "num_preemptions": self._scheduler.num_preemptions,
+            "num_compilations": self._runner.num_compilations,
+            "num_compilations_after_warm_up": self._runner.num_compilations - self._compilations_at_warm_up,
+            "num_steps": self.num_steps,
+            "num_running": len(self._scheduler.running),
+            "num_waiting": len(self._scheduler.waiting),
+            "num_swapped": self._scheduler.num_swapped,
+            "prefix_cache_query_tokens": self._scheduler.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": self._scheduler.prefix_cache_hit_tokens,
+            "num_blocks_cached": bm.num_blocks_cached,
+            "num_prefix_cache_evictions": bm.num_evictions,
+            "num_blocks_used": bm.num_slots_allocated() // bm.block_size,
+            "num_blocks_without_sharing": bm.num_blocks_without_sharing(),
+            "mean_blocks_used": self._blocks_used_sum / steps,
+            "mean_blocks_without_sharing": self._blocks_without_sharing_sum / steps,
+            "sharing_savings": (1 - self._blocks_used_sum / self._blocks_without_sharing_sum
+                                if self._blocks_without_sharing_sum else 0.0),
+            "mean_batched_seqs": self.num_batched_seqs / steps,
+            "max_batched_seqs": self.max_batched_seqs,
+            # over the steps that left requests waiting (None if none did)
+            "saturated_mean_batched_seqs": (self.saturated_batched_seqs / self.num_saturated_steps
+                                            if self.num_saturated_steps else None),
+            "num_saturated_steps": self.num_saturated_steps,
+            # tokens sampled per second of wall time over those steps (None if none waited)
+            "saturated_tokens_per_s": (self.saturated_sampled_tokens / self.saturated_seconds
+                                       if self.saturated_seconds else None),
+            "mean_batched_tokens": self.num_batched_tokens / steps,
+            "host_seconds_per_step": self.host_seconds / steps,
+            "device_seconds_per_step": self.device_seconds / steps,
+            "host_fraction": self.host_seconds / max(self.host_seconds + self.device_seconds, 1e-12),
+        }

@@ -1,0 +1,239 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
+/health and /metrics, in front of one EngineLoop.
+
+`build_app(engine, settings)` takes an already built LLMEngine (warm-up done), so a test
+or a notebook can serve the engine it holds. The engine thread starts with the app's
+lifespan and stops with it: on shutdown (uvicorn's SIGINT/SIGTERM handling), requests
+still running after uvicorn's graceful timeout are cancelled, and the engine loop
+aborts whatever is left, so every handler returns and every block is freed.
+
+Each request: validate (400s) -> submit a group of engine requests (503 when the
+waiting queue is full) -> wait until the engine accepted it (a bad prompt is a 400, not
+a broken stream) -> answer whole or as server-sent events. A task watches the
+connection meanwhile: a client that goes away aborts its request at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from paged_jax.entrypoints.openai import request_mapping as rm
+from paged_jax.entrypoints.openai.engine_loop import (EngineLoop, EngineRequest, EngineUnavailable, QueueFull, RequestAborted,
+                                          RequestStream)
+from paged_jax.entrypoints.openai.errors import (APIError, bad_request, install_error_handlers, server_busy, unavailable,
+                                    validation_message)
+from paged_jax.entrypoints.openai.http_guards import HTTPGuards
+from paged_jax.entrypoints.openai.json_body import parse_json_body
+from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
+from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from paged_jax.entrypoints.openai.responses import ResponseBuilder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str = "smollm2-135m"  # the only name /v1 requests may ask for
+    api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
+    max_waiting_requests: int = 256  # waiting sequences (+ not yet queued) before new requests get 503
+    max_request_body_bytes: int = 1 << 20  # larger bodies get 413
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(lambda: loop.stats())  # engine state is read at scrape time
+    loop = EngineLoop(engine, max_waiting_requests=settings.max_waiting_requests, on_step=metrics.observe_step)
+    created = int(time.time())
+    max_model_len = engine.config.max_model_len
+    logprobs_limit = rm.max_logprobs(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="paged_jax OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine_loop, app.state.metrics, app.state.settings = loop, metrics, settings
+    install_error_handlers(app, on_api_error=metrics.observe_refusal)
+    app.add_middleware(HTTPGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
+
+    def check_model(name: str) -> None:
+        if name != settings.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{settings.served_model_name!r}", param="model", code="model_not_found")
+
+    async def submit(group: list[EngineRequest], prompt_param: str) -> RequestStream:
+        num_seqs = sum(r.params.n for r in group)
+        if num_seqs > settings.max_waiting_requests:
+            raise bad_request(f"the request asks for {num_seqs} sequences (prompts x n); the server queues at most "
+                              f"{settings.max_waiting_requests}", "n")
+        try:
+            stream = loop.submit(group)
+        except QueueFull as exc:
+            raise server_busy(str(exc)) from exc
+        except EngineUnavailable as exc:
+            raise unavailable(exc) from exc
+        try:
+            await stream.accepted()
+        except ValueError as exc:  # the engine refused a prompt: nothing was queued
+            raise bad_request(str(exc), prompt_param) from exc
+        except EngineUnavailable as exc:
+            raise unavailable(exc) from exc
+        except BaseException:
+            stream.abort()
+            raise
+        return stream
+
+    async def watch_disconnect(request: Request, stream: RequestStream) -> None:
+        """Abort the stream's unfinished requests as soon as the client disconnects."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                stream.abort()
+                return
+
+    async def run(request: Request, builder: ResponseBuilder, group: list[EngineRequest], stream_mode: bool,
+                  include_usage: bool):
+        recorder = RequestRecorder(metrics)
+        stream = await submit(group, "messages" if builder.chat else "prompt")
+        watcher = asyncio.create_task(watch_disconnect(request, stream))
+        if not stream_mode:
+            try:
+                finals = await _collect(stream, recorder)
+            except (_ClientGone, RequestAborted):
+                return Response(status_code=499)  # nobody is listening
+            except EngineUnavailable as exc:  # shutting down: the engine loop aborted the request
+                recorder.abort()
+                raise unavailable(exc) from exc
+            finally:
+                watcher.cancel()
+                if stream.aborted or not stream.finished:
+                    stream.abort()
+                    recorder.abort()
+            return JSONResponse(builder.response([finals[r.request_id] for r in group]).model_dump())
+        return StreamingResponse(_sse(stream, recorder, watcher, builder, group, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _collect(stream: RequestStream, recorder: RequestRecorder) -> dict:
+        finals = {}
+        while not stream.finished:
+            out = await stream.next()
+            recorder.on_output(out)
+            if out.finished:
+                finals[out.request_id] = out
+        if stream.aborted:
+            raise _ClientGone()
+        recorder.finish()
+        return finals
+
+    async def _sse(stream: RequestStream, recorder: RequestRecorder, watcher: asyncio.Task,
+                   builder: ResponseBuilder, group: list[EngineRequest], include_usage: bool):
+        finals = {}
+        try:
+            for chunk in builder.first_chunks(sum(r.params.n for r in group)):
+                yield chunk
+            while not stream.finished:
+                try:
+                    out = await stream.next()
+                except RequestAborted:
+                    return
+                except EngineUnavailable as exc:
+                    recorder.abort()
+                    yield f"data: {json.dumps(unavailable(exc).body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                recorder.on_output(out)
+                if out.finished:
+                    finals[out.request_id] = out
+                for chunk in builder.chunks(out):
+                    yield chunk
+            if stream.aborted:
+                return
+            recorder.finish()
+            if include_usage:
+                yield builder.usage_chunk([finals[r.request_id] for r in group])
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            if stream.aborted or not stream.finished:
+                stream.abort()
+                recorder.abort()
+
+    async def parse_body(request: Request, model: type[BaseModel]):
+        """JSON whatever the Content-Type (curl's default is form-encoded), then strict
+        validation; both failures are 400s that say what was wrong."""
+        data = parse_json_body(await request.body())
+        if not isinstance(data, dict):
+            raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise bad_request(message, param) from exc
+
+    # ---- routes --------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        rm.check_completion(body, logprobs_limit)
+        check_model(body.model)
+        params = rm.sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=max_model_len,
+                                    logprobs=body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        group = [EngineRequest(f"{request_id}-{i}", prompt, params)
+                 for i, prompt in enumerate(rm.completion_prompts(body))]
+        builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
+                                  engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
+                                  logprobs=body.logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
+        return await run(request, builder, group, body.stream,
+                         bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        rm.check_chat(body, logprobs_limit)
+        check_model(body.model)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs)
+        prompt_ids = rm.chat_prompt_ids(rm.chat_messages(body), engine.tokenizer)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        group = [EngineRequest(f"{request_id}-0", {"prompt_token_ids": prompt_ids}, params)]
+        builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
+                                  engine_ids=[group[0].request_id], n=params.n, tokenizer=engine.tokenizer,
+                                  logprobs=logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
+        return await run(request, builder, group, body.stream,
+                         bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=created, max_model_len=max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,280 @@
+"""One thread owns the LLMEngine; asyncio request handlers talk to it through queues.
+
+Why a thread: `engine.step()` blocks for the whole jitted step (tens to hundreds of
+milliseconds), so it cannot run on the event loop, and the engine is not thread-safe,
+so exactly one thread may touch it. That thread:
+
+  1. waits on a condition while there is neither a command nor unfinished work (an idle
+     server burns no CPU);
+  2. applies queued commands between steps: adds (a group of engine requests per HTTP
+     request, all or none) and aborts (blocks freed at once, by the engine);
+  3. runs one step while work exists, and hands each RequestOutput to its HTTP request's
+     asyncio.Queue with `loop.call_soon_threadsafe` (asyncio queues are not thread-safe);
+  4. publishes `engine.stats()` after every iteration, for /metrics and for admission.
+
+Admission is bounded: `submit` refuses (QueueFull, a 503) while the sequences waiting
+in the scheduler plus those submitted but not yet handed to the engine reach
+`max_waiting_requests`, so a flood of requests cannot grow memory without limit. A
+request that was accepted is never dropped: it finishes, or its HTTP side aborts it
+(client gone), or shutdown aborts it and its handler is told so. Shutdown is `drain()`
+(refuse new requests), then `abort_all()` once the grace period is over
+(uvicorn_server.py), then `stop()` (the app's lifespan), which joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from paged_jax.core.outputs import RequestOutput
+from paged_jax.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class EngineUnavailable(Exception):
+    """Delivered to (or raised for) requests when the server stops or the engine failed."""
+
+
+class RequestAborted(Exception):
+    """Delivered to a request that its own HTTP side aborted (the client went away)."""
+
+
+ACCEPTED = "accepted"  # first item of a stream whose adds all succeeded
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: Any  # text, token ids, or {"prompt_token_ids": [...]}: whatever add_request takes
+    params: SamplingParams
+
+
+class RequestStream:
+    """The asyncio side of one HTTP request: its engine requests' outputs, in step order."""
+
+    def __init__(self, owner: EngineLoop, request_ids: list[str], queue: asyncio.Queue):
+        self._owner, self._queue = owner, queue
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+        self.aborted = False  # set by abort(): the outputs stop and the request counts as aborted
+
+    async def accepted(self) -> None:
+        """Wait until the engine took every request; re-raises its ValueError on bad input."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()  # nothing was queued (a refused group is rolled back)
+            raise item
+        assert item == ACCEPTED, item
+
+    async def next(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (no-op once everything finished)."""
+        if self.unfinished:
+            self.aborted = True
+            self._owner.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+
+
+class EngineLoop:
+    def __init__(self, engine, *, max_waiting_requests: int = 256,
+                 on_step: Callable[[list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step  # called on the engine thread after each step (metrics)
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []  # guarded by _cond
+        self._num_pending = 0  # sequences submitted, not yet counted in _num_waiting (guarded)
+        self._num_waiting = 0  # the scheduler's waiting sequences at the last publish (guarded)
+        self._stats: dict = engine.stats()
+        self._stopping = False
+        self._draining = False  # shutting down: new requests are refused, running ones go on
+        self._num_streams = 0  # requests with a listener at the last publish (guarded)
+        self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None  # set if a step raised: the engine is unusable
+
+    # ---- lifecycle (event-loop thread) -------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="paged_jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Abort everything outstanding (handlers get EngineUnavailable) and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (503); those already accepted go on."""
+        with self._cond:
+            self._draining = True
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request now; each handler gets EngineUnavailable(reason)."""
+        with self._cond:
+            self._commands.append(("abort_all", reason))
+            self._cond.notify()
+
+    def has_requests(self) -> bool:
+        """Whether any request is queued or running (as of the last iteration)."""
+        with self._cond:
+            return bool(self._num_pending or self._num_streams or self._commands)
+
+    @property
+    def alive(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping and not self._draining
+                and self.error is None)
+
+    def stats(self) -> dict:
+        """engine.stats() as of the end of the last iteration (safe from any thread)."""
+        with self._cond:
+            return dict(self._stats, num_pending=self._num_pending)
+
+    # ---- requests (event-loop thread) --------------------------------------------------
+    def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Queue a group of engine requests (one HTTP request). Raises QueueFull or
+        EngineUnavailable; bad prompts surface from `RequestStream.accepted()`."""
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = self._loop
+        num_seqs = sum(r.params.n for r in requests)
+
+        def deliver(item, _queue=queue):
+            try:
+                loop.call_soon_threadsafe(_queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        with self._cond:
+            if not self.alive:
+                raise EngineUnavailable("the server is shutting down" if self.error is None
+                                        else f"the engine failed: {self.error!r}")
+            if self._num_pending + self._num_waiting >= self.max_waiting_requests:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting_requests} sequences); retry later")
+            self._commands.append(("add", requests, deliver, num_seqs))
+            self._num_pending += num_seqs
+            self._cond.notify()
+        return RequestStream(self, [r.request_id for r in requests], queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            self._commands.append(("abort", list(request_ids)))
+            self._cond.notify()
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            added = 0
+            for command in commands:
+                added += self._apply(command)
+            if stopping:
+                added += self._abort_all(EngineUnavailable("the server is shutting down; the request was aborted"),
+                                         refuse_queued=True)
+                self._publish(added)
+                return
+            outputs = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug in the engine: fail loudly, abort everything, stop
+                    logger.exception("engine step failed; the server stops serving")
+                    self.error = exc
+                    added += self._abort_all(EngineUnavailable(f"the engine failed: {exc!r}"), refuse_queued=True)
+                    self._publish(added)
+                    return
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out)
+            if outputs and self._on_step is not None:
+                self._on_step(outputs)
+            self._publish(added)
+
+    def _apply(self, command) -> int:
+        """Apply one command; returns the sequences it took off the pending count."""
+        if command[0] == "abort_all":
+            return self._abort_all(EngineUnavailable(command[1]))
+        if command[0] == "abort":
+            for request_id in command[1]:
+                self.engine.abort_request(request_id)
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    sink(RequestAborted(request_id))
+            return 0
+        _, requests, deliver, num_seqs = command
+        done = []
+        try:
+            for r in requests:
+                self.engine.add_request(r.request_id, r.prompt, r.params)
+                done.append(r.request_id)
+        except Exception as exc:  # ValueError: bad input (a 400); anything else: reported as is
+            for request_id in done:  # all or nothing
+                self.engine.abort_request(request_id)
+            deliver(exc)
+            return num_seqs
+        for request_id in done:
+            self._sinks[request_id] = deliver
+        deliver(ACCEPTED)
+        return num_seqs
+
+    def _abort_all(self, reason: Exception, *, refuse_queued: bool = False) -> int:
+        """Abort every request the engine holds (and, with refuse_queued, every add not yet
+        applied); each listener gets `reason`. Returns the refused adds' sequences."""
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine may be broken (after a failed step): still tell the client
+                logger.exception("abort of %s failed", request_id)
+            sink(reason)
+        self._sinks.clear()
+        refused = 0
+        if refuse_queued:
+            with self._cond:
+                leftover, self._commands = self._commands, []
+            for command in leftover:
+                if command[0] == "add":
+                    command[2](reason)
+                    refused += command[3]
+        return refused
+
+    def _publish(self, added: int) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed")
+            stats = self._stats
+        with self._cond:
+            self._num_pending -= added
+            self._num_waiting = int(stats.get("num_waiting", 0))
+            self._num_streams = len(self._sinks)
+            self._stats = stats

@@ -1,0 +1,143 @@
+"""OpenAI request bodies -> engine prompts and SamplingParams, refusing what cannot be honoured.
+
+Everything here raises APIError(400) with a message naming the argument, before the
+request reaches the engine. Sampling values themselves are checked by SamplingParams
+(its ValueError becomes the 400's message), prompts by LLMEngine.add_request (its
+ValueError arrives through the engine loop and is mapped the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_jax.core.outputs import CompletionOutput
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.entrypoints.openai.errors import bad_request
+from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_N = 128  # OpenAI's own limit on n
+
+
+def max_logprobs(engine) -> int:
+    """How many top alternatives per token the server can return: the engine's
+    `max_logprobs` where its outputs carry `top_logprobs`, else 1 (the sampled token's
+    logprob is all an engine without them returns)."""
+    has_top = "top_logprobs" in {f.name for f in dataclasses.fields(CompletionOutput)}
+    return int(getattr(engine.config, "max_logprobs", 1)) if has_top else 1
+
+
+def _logprobs_message(name: str, value: int, limit: int) -> str:
+    if limit == 1:
+        return (f"{name}={value} asks for top alternatives, but only the sampled token's logprob is available: "
+                f"{name} must be 0 or 1 (or null)")
+    return f"{name}={value} is more than this server returns: {name} must be in [0, {limit}] (or null)"
+
+
+def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise bad_request(f"{name} is not supported by this server (only 0 or null)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
+
+
+def check_completion(req: CompletionRequest, logprobs_limit: int) -> None:
+    check_common(req)
+    if req.echo:
+        raise bad_request("echo is not supported by this server", "echo")
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of is not supported (only best_of == n); got best_of={req.best_of}, n={req.n}",
+                          "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= logprobs_limit:
+        raise bad_request(_logprobs_message("logprobs", req.logprobs, logprobs_limit), "logprobs")
+
+
+def check_chat(req: ChatCompletionRequest, logprobs_limit: int) -> None:
+    check_common(req)
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise bad_request("tools and tool_choice are not supported by this server", "tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than {'type': 'text'} is not supported by this server",
+                          "response_format")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= logprobs_limit:
+            raise bad_request(_logprobs_message("top_logprobs", req.top_logprobs, logprobs_limit), "top_logprobs")
+
+
+def completion_prompts(req: CompletionRequest) -> list:
+    """One engine prompt per OpenAI prompt: text, or {"prompt_token_ids": [...]}."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if isinstance(p[0], str):
+        return list(p)
+    if isinstance(p[0], int):
+        return [{"prompt_token_ids": list(p)}]
+    return [{"prompt_token_ids": list(ids)} for ids in p]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as the chat template expects them: role and plain-text content."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.type if hasattr(part, "type") else part.get("type")
+                if kind != "text":
+                    raise bad_request(f"messages[{i}].content: only text content parts are supported, got {kind!r}",
+                                      "messages")
+                texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
+            content = "\n".join(texts)
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return messages
+
+
+def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so chat is unavailable; use /v1/completions with "
+                          "token ids", "messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except Exception as exc:  # jinja TemplateError (e.g. a role the template refuses), no template
+        raise bad_request(f"the chat template cannot render these messages: {exc}", "messages") from exc
+    return [int(t) for t in ids]
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, default_max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the request; its ValueError becomes a 400 naming the field.
+    `max_tokens` None means `default_max_tokens` (the engine still stops at max_model_len)."""
+    stop = req.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    top_k = req.top_k
+    if top_k == -1:  # vLLM spells "off" as -1, the engine as 0
+        top_k = 0
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or 0,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            stop=tuple(stop) if stop else None,
+            stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise bad_request(message, field if field in type(req).model_fields else None) from exc

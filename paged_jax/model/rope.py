@@ -1,0 +1,53 @@
+"""Rotary position embeddings (RoPE), in Hugging Face's "rotate half" layout.
+
+Checkpoints store q/k projection rows so that dimension i pairs with i + head_dim/2
+(the GGUF loader undoes llama.cpp's interleaved permutation to get this layout).
+Frequencies are computed on the host in float32 exactly as `transformers` does, so
+logits match it to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.config.model_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """f32[head_dim // 2]: the rotation speed of each dimension pair."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a linear ramp between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """positions i32[*tok] -> (cos, sin), each f32[*tok, head_dim]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """x [*tok, heads, head_dim]; cos/sin f32[*tok, head_dim]. Returns x's dtype."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[..., None, :] + rotated * sin[..., None, :]
+    return out.astype(x.dtype)

@@ -1,0 +1,108 @@
+"""Host-side batch preparation: a SchedulerOutput becomes fixed-shape numpy arrays.
+
+numpy only (no jax): every array is padded to a bucket so the jitted step sees a handful
+of shapes and never recompiles after warm-up. Padding rows have q_len 0, context 0 and
+null-block tables; padding tokens write to an out-of-range slot that the scatter drops.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Mapping, NamedTuple
+
+import numpy as np
+
+from paged_jax.core.scheduler_output import SchedulerOutput
+from paged_jax.core.sequence import Sequence
+
+
+class BatchInputs(NamedTuple):
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]; num_blocks * block_size for padding
+    block_tables: np.ndarray  # i32[S, max_blocks_per_seq]
+    context_lens: np.ndarray  # i32[S]
+    query_start_loc: np.ndarray  # i32[S + 1]
+    logits_indices: np.ndarray  # i32[S]: each row's last token in the flat token axis
+    temperature: np.ndarray  # f32[S]
+    top_k: np.ndarray  # i32[S]
+    top_p: np.ndarray  # f32[S]
+    min_p: np.ndarray  # f32[S]
+    seeds: np.ndarray  # u32[S]
+    sample_index: np.ndarray  # i32[S]: index of the token being sampled (keys fold it in)
+    copy_src: np.ndarray  # i32[C] copy-on-write sources, padded with 0
+    copy_dst: np.ndarray  # i32[C]
+
+
+def pick_bucket(buckets, n: int) -> int:
+    """The smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def batch_shape(seq_buckets, token_buckets, num_seqs: int, num_tokens: int) -> tuple[int, int]:
+    """(S, T) for a batch of num_seqs rows and num_tokens tokens.
+
+    A pure-decode step (one token per row, most steps) gets the smallest S and T >= S.
+    A step with any prefill chunk gets the largest S and the smallest T that fits: the
+    extra rows only cost a few padded logits rows, and the number of shapes to compile
+    stays len(seq_buckets) + len(token_buckets) instead of their product.
+    """
+    if num_tokens == num_seqs:
+        s = pick_bucket(seq_buckets, num_seqs)
+        return s, pick_bucket(token_buckets, s)
+    return seq_buckets[-1], pick_bucket(token_buckets, max(num_tokens, seq_buckets[-1]))
+
+
+def all_batch_shapes(seq_buckets, token_buckets) -> list[tuple[int, int]]:
+    """Every (S, T) that `batch_shape` can return: what warm-up compiles."""
+    decode = {batch_shape(seq_buckets, token_buckets, s, s) for s in seq_buckets}
+    mixed = {batch_shape(seq_buckets, token_buckets, 1, t) for t in token_buckets if t > 1}
+    return sorted(decode | mixed)
+
+
+def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], *, block_size: int, num_blocks: int,
+                  max_blocks_per_seq: int, seq_buckets, token_buckets, max_copies: int) -> BatchInputs:
+    chunks = output.chunks
+    num_seqs, num_tokens = len(chunks), output.num_batched_tokens
+    S, T = batch_shape(seq_buckets, token_buckets, num_seqs, num_tokens)
+    b = empty_batch(S, T, max_blocks_per_seq, max_copies, pad_slot=num_blocks * block_size)
+    cursor = 0
+    for row, chunk in enumerate(chunks):
+        n, start = chunk.num_tokens, chunk.start_position
+        span = slice(cursor, cursor + n)
+        table = np.asarray(chunk.block_table, np.int32)
+        positions = np.arange(start, start + n, dtype=np.int32)
+        b.token_ids[span] = chunk.token_ids
+        b.positions[span] = positions
+        b.slot_mapping[span] = table[positions // block_size] * block_size + positions % block_size
+        b.block_tables[row, : len(table)] = table
+        b.context_lens[row] = start + n
+        cursor += n
+        b.query_start_loc[row + 1] = cursor
+        b.logits_indices[row] = cursor - 1
+        seq = seqs[chunk.seq_id]
+        sp = seq.sampling_params
+        b.temperature[row], b.top_k[row], b.top_p[row], b.min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        b.seeds[row] = seq.seed
+        b.sample_index[row] = len(seq.output_token_ids)
+    b.query_start_loc[num_seqs + 1:] = cursor
+    if len(output.block_copies) > max_copies:
+        raise ValueError(f"{len(output.block_copies)} block copies exceed the per-step limit {max_copies}")
+    for i, (src, dst) in enumerate(output.block_copies):
+        b.copy_src[i], b.copy_dst[i] = src, dst
+    return b
+
+
+def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int) -> BatchInputs:
+    """An all-padding batch: writes nothing, reads only the null block (also warm-up's input)."""
+    return BatchInputs(
+        token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+        slot_mapping=np.full(T, pad_slot, np.int32), block_tables=np.zeros((S, width), np.int32),
+        context_lens=np.zeros(S, np.int32), query_start_loc=np.zeros(S + 1, np.int32),
+        logits_indices=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
+        top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+        seeds=np.zeros(S, np.uint32), sample_index=np.zeros(S, np.int32),
+        copy_src=np.zeros(copies, np.int32), copy_dst=np.zeros(copies, np.int32))

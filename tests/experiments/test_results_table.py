@@ -1,0 +1,196 @@
+"""experiments/results_table.py (+ results_rows, result_commands): the README's results
+table is generated from the records, deterministically, with reproducing commands."""
+
+import copy
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tests.helpers.synthetic_records import (
+    block_sweep_record,
+    serving_sweep_record,
+    step_time_record,
+    throughput_record,
+)
+
+from experiments import results_table
+
+from experiments.reporting import result_commands
+
+from experiments.reporting import results_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS_DIR = os.path.join(REPO, "experiments", "results")
+
+
+def _load(name):
+    with open(os.path.join(RESULTS_DIR, name)) as f:
+        return json.load(f)
+
+
+def test_readme_table_is_up_to_date():
+    """CI guard: a results file changed or added without `python -m experiments.results_table`."""
+    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check"], cwd=REPO,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_check_fails_on_a_stale_readme(tmp_path):
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    stale = tmp_path / "README.md"
+    # one value edited by hand inside the table
+    begin = readme.index(results_table.BEGIN)
+    row = readme.index("| 0.98 |", begin)
+    stale.write_text(readme[:row] + "| 0.99 |" + readme[row + len("| 0.98 |"):])
+    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check", f"--readme={stale}"],
+                         cwd=REPO, capture_output=True, text=True, check=False)
+    assert run.returncode == 1 and "0.99" in run.stdout
+    # regenerating fixes it, and touches nothing outside the markers
+    run = subprocess.run([sys.executable, "-m", "experiments.results_table", f"--readme={stale}"], cwd=REPO,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert stale.read_text() == readme
+
+
+def test_every_committed_record_has_its_own_rows():
+    records = results_table.load_records(RESULTS_DIR)
+    assert len(records) == len([f for f in os.listdir(RESULTS_DIR) if f.endswith(".json")])
+    rows = results_table.table_rows(records)
+    for filename, record in records:
+        module = result_commands.reproducing_command(record).module
+        assert module in results_rows.BUILDERS, f"{filename}: no row builder for experiments.{module}"
+        mine = [r for r in rows if r[3] == filename]
+        assert mine, f"{filename} has no row"
+        for figure, value, command, _ in mine:
+            assert figure and value and command.startswith("`python -m experiments.")
+
+
+def test_generation_is_deterministic(tmp_path):
+    records = results_table.load_records(RESULTS_DIR)
+    first = results_table.render_table(records)
+    shuffled = records[:]
+    random.Random(1).shuffle(shuffled)
+    assert results_table.render_table(shuffled) == first
+    copy_dir = tmp_path / "results"
+    shutil.copytree(RESULTS_DIR, copy_dir)
+    assert results_table.render_table(results_table.load_records(str(copy_dir))) == first
+
+
+def test_values_and_settings_come_from_the_record():
+    record = _load("sharing_savings.json")
+    [(_figure, value)] = results_rows.sharing_savings(record)
+    changed = copy.deepcopy(record)
+    changed["figures"]["settings"][0]["sharing_savings"] = 0.1234
+    for s in changed["figures"]["settings"]:
+        s["num_requests"] = 7
+    changed["figures"]["engine_settings"]["block_size"] = 32
+    [(figure2, value2)] = results_rows.sharing_savings(changed)
+    assert value2.startswith("12.3% / ") and value2[len("12.3%"):] == value[value.index(" / "):]
+    assert "7 Alpaca-like requests, block 32:" in figure2
+
+
+def test_allocator_row_reads_the_timeline_era_fields():
+    record = throughput_record()
+    record["flags"].update({"scale": 0.5, "kv_seqs": 2, "num_blocks": None})
+    record["figures"].update({"mean_prompt_tokens": 10.0, "mean_output_tokens": 20.0})
+    [(figure, value)] = results_rows.benchmark_throughput(record)
+    # utilization; mean batched (3+6+8+8+7+2)/6 = 5.67 and 11/6 = 1.83; saturated (max) 8 and 2; tok/s
+    assert value == "0.950 / 0.250; 5.7 / 1.8; 8.0 / 2.0; 10.0 / 10.0"
+    assert "17 blocks of 8 = 2 max-length sequences" in figure and "12 ShareGPT-like requests at scale 0.5" in figure
+    for row, rate in zip(record["figures"]["allocators"], (31.25, 12.5)):
+        row["saturated_tokens_per_s"] = rate
+    [(figure, value)] = results_rows.benchmark_throughput(record)
+    assert value.endswith("; 10.0 / 10.0; 31.2 / 12.5") and figure.endswith("; batched while requests wait; "
+                                                                             "output tok/s; output tok/s while "
+                                                                             "requests wait")
+
+
+def test_rows_of_the_coming_schemas():
+    [(figure, value)] = results_rows.serving_sweep(serving_sweep_record())
+    assert "request rates 0.5..2 req/s" in figure and value == "1 / not reached"
+    rows = results_rows.sweep_block_size(block_sweep_record())
+    assert [r[0].split(",")[2] for r in rows[:2]] == [" ShareGPT-like", " Alpaca-like"]
+    # alpaca (s = 100): utilization 1 - b/100 at blocks 8, 16, 32, 64
+    assert rows[1][1].startswith("0.920 / 0.840 / 0.680 / 0.360;")
+    assert rows[2][1].startswith("recompute 11.3 (3) / 16.0 (3) / 22.6 (3); swap 8.5 (3)")
+
+
+def test_step_time_model_row():
+    [(figure, value)] = results_rows.calibrate_step_time(step_time_record())
+    # 0.012 s = 12.00 ms, 0.0004 s = 0.400 ms, 0.0001 s = 0.100 ms, 2e-6 s = 2.000 us
+    assert value == ("12.00 ms + 0.400 ms/token + 0.100 ms/seq + 2.000 us/context token; held-out relative "
+                     "error mean 0.080, p90 0.110, summed time 0.010 (fit: mean 0.050)")
+    assert "300 engine steps of a ShareGPT-like trace, tiny on x86_64; error on 120 held-out steps (Alpaca-like)" in figure
+    generic = results_rows.generic({**step_time_record(), "name": "x"})  # a dict "model" does not break it
+    assert generic[0][0].startswith("`x`: tiny on x86_64")
+
+
+def test_simulate_rows_and_unknown_schema(capsys):
+    rows = [{"kv_allocator": a, "block_size": 16, "kv_utilization": u, "mean_batched_seqs": b, "wall_seconds": 61.0}
+            for a, u, b in (("contiguous-max", 0.2, 5.0), ("paged", 0.97, 40.0))]
+    record = {"name": "simulate", "flags": {"num_requests": 100000, "workload": "alpaca"},
+              "figures": {"rows": rows, "model": "step-time model"}}
+    [(figure, value)] = results_rows.simulate(record)
+    assert value == "0.970 / 0.200; 40.0 / 5.0; 61 s / 61 s" and "100000 Alpaca-like requests, block 16" in figure
+    assert results_rows.simulate({"name": "simulate", "figures": {"something": 1}}) == []
+    assert "simulate: no rows" in capsys.readouterr().err
+
+
+def test_a_wrong_command_is_rebuilt_from_the_records_flags():
+    # a record naming a module that does not exist (as engine_metrics.py once wrote it)
+    record = _load("engine_attention_backends.json")
+    record["command"] = "python -m experiments.engine_attention_backends --measure=attention_backends"
+    command = result_commands.reproducing_command(record)
+    assert command.rebuilt and command.module == "engine_metrics"
+    assert command.text == "python -m experiments.engine_metrics --measure=attention_backends"
+    # a complete command is kept as it is
+    record = _load("serving_sweep_kv2.json")
+    assert result_commands.reproducing_command(record) == result_commands.Command(record["command"],
+                                                                                   "serving_sweep", False)
+
+
+def test_a_flag_missing_from_the_command_and_off_default_is_added():
+    record = _load("sharing_savings.json")
+    assert record["command"] == "python -m experiments.sharing_savings"
+    record = copy.deepcopy(record)
+    record["flags"]["num_requests"] = 3  # default 16 in sharing_savings.py: the bare command would run 16
+    record["flags"]["ignore_eos"] = False
+    command = result_commands.reproducing_command(record)
+    assert command.rebuilt and "num_requests" in command.reason
+    assert command.text == "python -m experiments.sharing_savings --num_requests=3 --noignore_eos"
+    record["command"] = "python -m experiments.sharing_savings --num_requests 3 --noignore_eos"
+    assert not result_commands.reproducing_command(record).rebuilt
+
+
+def test_flag_defaults_are_read_from_the_scripts():
+    defaults = result_commands.flag_defaults("sharing_savings")
+    assert defaults["kv_cache_memory_bytes"] == 512 * 2**20 and defaults["widths"] == ["2", "4", "6"]
+    assert defaults["ignore_eos"] is True
+    serving = result_commands.flag_defaults("benchmark_serving")  # EngineConfig fields via define_engine_flags
+    assert serving["max_num_batched_tokens"] == 256 and "seed" in serving  # seed: the script's own flag
+    assert result_commands.flag_defaults("benchmark_throughput")["kv_allocator"] is result_commands.UNKNOWN
+
+
+def test_replace_table_keeps_the_rest():
+    text = f"intro\n{results_table.BEGIN}\nold\n{results_table.END}\noutro\n"
+    assert results_table.replace_table(text, "new") == f"intro\n{results_table.BEGIN}\nnew\n{results_table.END}\noutro\n"
+    with pytest.raises(ValueError, match="exactly one"):
+        results_table.replace_table("no markers", "new")
+
+
+def test_batching_vs_spread_row():
+    point = lambda sigma, ratio, fluid: {"sigma": sigma, "output_cv": sigma / 2, "fluid_ratio": fluid,
+                                         "saturated_batched_ratios": {"paged_over_contiguous-oracle": ratio,
+                                                                      "paged_over_contiguous-max": 3 * ratio}}
+    record = {"name": "batching_vs_spread", "command": "python -m experiments.batching_vs_spread",
+              "flags": {"num_requests": 50, "block_size": 16},
+              "figures": {"workload": "sharegpt", "num_blocks": 728, "points": [point(0.4, 1.25, 1.5), point(1.2, 2.5, 1.9)]}}
+    [(figure, value)] = results_rows.batching_vs_spread(record)
+    assert value == ("sigma 0.4 (output cv 0.20): 1.25, 3.75 (fluid 1.50); "
+                     "sigma 1.2 (output cv 0.60): 2.50, 7.50 (fluid 1.90)")
+    assert "50 ShareGPT-like requests" in figure and "paged / contiguous-oracle, paged / contiguous-max" in figure

@@ -1,0 +1,112 @@
+"""The package tree is the architecture: each layer imports only the layers below it.
+
+Layers, bottom to top (paged_jax/<layer>/; pallas_kernels/ sits outside and imports no
+paged_jax code at all):
+
+    config < core < attention < model < loading < distributed < worker < baselines < engine < entrypoints
+
+So the core (pure-Python bookkeeping) knows neither the device nor the paper's baselines
+(they plug in from the engine, behind the block manager's interface), the worker never
+reaches into the engine, and nothing below the entry points knows a server exists.
+Imports inside functions count too: a lazy import is still a dependency. The host-side
+modules also stay free of jax and numpy, checked in a fresh interpreter.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LAYERS = ["config", "core", "attention", "model", "loading", "distributed", "worker", "baselines", "engine",
+          "entrypoints"]
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Absolute module names imported anywhere in the file (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "paged_jax" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in RANK else None
+
+
+def _sources(package: str):
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_every_paged_jax_module_is_in_a_layer():
+    loose = [str(p.relative_to(ROOT)) for p in _sources("paged_jax")
+             if p.parent != ROOT / "paged_jax" and _layer(_module_name(p)) is None]
+    top = sorted(p.name for p in (ROOT / "paged_jax").glob("*.py"))
+    assert not loose, f"modules outside the layers {LAYERS}: {loose}"
+    assert top == ["__init__.py"], f"paged_jax/ holds only sub-packages (and its lazy exports), found {top}"
+
+
+def test_no_layer_imports_a_higher_one():
+    upward = []
+    for path in _sources("paged_jax"):
+        me = _layer(_module_name(path))
+        if me is None:  # paged_jax/__init__.py: lazy public names, resolved at attribute access
+            continue
+        for imported in _imports(path):
+            other = _layer(imported)
+            if other is not None and RANK[other] > RANK[me]:
+                upward.append(f"{path.relative_to(ROOT)} ({me}) imports {imported} ({other})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_pallas_kernels_import_no_engine_code():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in _sources("pallas_kernels") for m in _imports(p)
+           if m.split(".")[0] in ("paged_jax", "experiments", "configs")]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("fake, layer", [("paged_jax.engine.llm_engine", "core"), ("paged_jax.baselines", "core"),
+                                         ("paged_jax.engine.stats", "worker")])
+def test_the_rule_catches_an_upward_import(tmp_path, fake, layer):
+    """The checker itself can fail: an upward import written into a layer is reported."""
+    path = ROOT / "paged_jax" / layer / "_probe_upward.py"
+    path.write_text(f"def f():\n    import {fake}\n")
+    try:
+        with pytest.raises(AssertionError, match="_probe_upward"):
+            test_no_layer_imports_a_higher_one()
+    finally:
+        path.unlink()
+
+
+def test_host_side_imports_neither_jax_nor_numpy():
+    """config/ and core/ (and the contiguous baselines) are pure Python: importing all of
+    them in a fresh interpreter loads no jax and no numpy."""
+    modules = [_module_name(p) for p in _sources("paged_jax/config") + _sources("paged_jax/core")]
+    modules.append("paged_jax.baselines.contiguous_allocator")
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "bad = sorted(m for m in ('jax', 'numpy') if m in sys.modules)\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert len(modules) >= 12  # every core module was imported, not an empty list
