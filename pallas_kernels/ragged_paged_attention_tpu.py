@@ -4,7 +4,8 @@ Tiles and block tables are scalar-prefetched into SMEM, the cache stays in HBM
 (`pl.ANY`), each page's K/V is copied into a double-buffered VMEM scratch by async DMA
 while the previous page computes, and each tile's output is written back token by token
 (programs never write the same rows). Shares the tiling and the online-softmax step with
-the CPU/GPU kernel; called through `ragged_paged_attention(..., backend="tpu")`.
+the CPU/GPU kernel (ragged_paged_attention_gpu.py); called through
+`ragged_paged_attention(..., backend="tpu")`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import DEFAULT_MASK_VALUE, _init_state, _online_softmax_step, _scores
+from pallas_kernels.ragged_paged_attention_gpu import DEFAULT_MASK_VALUE, _init_state, _online_softmax_step, _scores
 from pallas_kernels.ragged_tiling import _Layout, _query_tiles
 
 _TPU_QUERY_TILE = 8  # tokens per tile

@@ -15,15 +15,27 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
     """Pick one token per row.
 
     logits f32[B, V]; temperature f32[B] (0 = greedy); top_k i32[B] (<= 0 = off);
-    top_p f32[B] (>= 1 = off); min_p f32[B] (0 = off; keep tokens whose probability is
-    at least min_p times the most likely one's); keys: typed PRNG keys [B].
-    Filters apply in vLLM's order: temperature, then top-k, top-p and min-p on the
-    tempered distribution. Returns i32[B].
+    top_p f32[B] (>= 1 = off); min_p f32[B] (0 = off); keys: typed PRNG keys [B].
+    Returns i32[B].
+
+    The filters compose as vLLM's v1 sampler does (temperature, then the min-p logits
+    processor, then top-k and top-p), so a request means the same thing on both:
+      1. temperature divides the logits;
+      2. min-p keeps tokens whose tempered probability is at least min_p times the most
+         likely token's;
+      3. top-k keeps the k most likely of those, and every token tied with the k-th;
+      4. top-p keeps the smallest prefix (most likely first) of what is left whose mass,
+         renormalized over what is left, reaches top_p: a token stays while the mass
+         before it is below top_p.
+    The most likely token always survives; the draw follows the survivors' renormalized
+    probabilities. E.g. p = [.5, .3, .2] with top_k 2 and top_p .6 always gives token 0:
+    after top-k the mass is [.625, .375], and .625 already reaches .6.
 
     Rows without top-k / top-p / min-p draw straight from the tempered logits; only rows
     with a filter pay for sorting the vocabulary (~80x slower on CPU for a 49k vocabulary),
-    and the sort runs only when such a row is present. Which path a row takes depends
-    on its own parameters alone, so its stream never depends on its batch.
+    and the sort, a single one serving all three filters, runs only when such a row is
+    present. Which path a row takes depends on its own parameters alone, so its stream
+    never depends on its batch.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -36,11 +48,18 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
         vocab = logits.shape[-1]
         sorted_logits, sorted_ids = jax.lax.top_k(logits / temp, vocab)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        ranks = jnp.arange(vocab)[None, :]
-        keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep &= (top_p[:, None] >= 1.0) | (mass_before < top_p[:, None])
-        keep &= probs >= min_p[:, None] * probs[:, :1]
+        # min-p, relative to the most likely token (column 0 of the descending sort)
+        keep = probs >= min_p[:, None] * probs[:, :1]
+        # top-k by value: the k-th logit is the bar, so ties with it stay
+        kth = jnp.take_along_axis(sorted_logits, jnp.clip(top_k, 1, vocab)[:, None] - 1, axis=-1)
+        keep &= (top_k[:, None] <= 0) | (sorted_logits >= kth)
+        # both cuts above drop a tail of the sort, so the survivors are a prefix and the
+        # mass before a survivor counts survivors only; comparing it with top_p times the
+        # survivors' total is top-p on the renormalized distribution
+        kept = jnp.where(keep, probs, 0.0)
+        mass_before = jnp.cumsum(kept, axis=-1) - kept
+        nucleus = top_p[:, None] * jnp.sum(kept, axis=-1, keepdims=True)
+        keep &= (top_p[:, None] >= 1.0) | (mass_before < nucleus)
         keep = keep.at[:, 0].set(True)  # the most likely token always survives
         choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
         picked = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
