@@ -4,7 +4,7 @@
     python -m experiments.peer_hf --modes=static,paged_jax --batch_size=16
 
 What a user would run instead of this engine on these CPUs (torch, float32, SmolLM2 from
-the same GGUF), so the throughput ratio in BENCHMARKS.md is measured, not assumed:
+the same GGUF), so the throughput ratio against it (target: >= 4x) is measured, not assumed:
   static:     `generate` on batches of --batch_size in arrival order, left padded, greedy,
               each batch running to its largest max_tokens (EOS off). Only each request's
               own max_tokens count as output; the rest (overrun) is reported as waste.

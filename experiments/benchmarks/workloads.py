@@ -6,7 +6,7 @@ log-normal with the data set's mean (sigma sets the spread; the mean is kept exa
 expectation: mu = ln(mean) - sigma^2 / 2), capped so prompt + output <= max_model_len.
 `scale` shrinks both means for CPU runs while keeping the shape of the distribution.
 
-The paper's other workloads are variants of these (../shared/BENCHMARKS.md): `shared-prefix`
+The paper's other workloads are variants of these: `shared-prefix`
 puts one common prefix (the paper's 1-shot and 5-shot prompts: 80 and 341 tokens) before
 each Alpaca-like prompt; `sampling` and `beam` are Alpaca-like requests that ask for n
 parallel samples or a beam search of width w (the fields `n` and `beam_width`).
