@@ -10,7 +10,12 @@ and runs uvicorn on 127.0.0.1:8000. Any OpenAI client works:
 
 Ctrl-C (or SIGTERM) shuts down: new requests get 503, running ones get
 --shutdown_timeout seconds, then they are aborted (streams end with an error event) and
-the engine thread stops.
+the engine thread stops; the process exits 0.
+
+If the engine fails (an exception in a step), the process exits with status 1 instead
+of serving nothing behind an open port: requests in flight get a 500 in OpenAI's error
+shape (streams: an error event, then [DONE]), new requests and /health get 503 while
+the server shuts down, and the engine's traceback is logged. A supervisor restarts it.
 
 The flags are defined by `define_flags`, not at import, so importing this module has no
 effect on absl's global flags until an entry point asks for them.
@@ -55,13 +60,18 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             flags.adopt_module_key_flags(module)
 
 
+ENGINE_FAILED_STATUS = 1  # the process's exit status after an engine failure
+
+
 def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Load, compile, serve until SIGINT/SIGTERM. A bad flag combination raises
-    absl's UsageError (printed with the usage, exit status 1)."""
+    absl's UsageError (printed with the usage, exit status 1); an engine failure while
+    serving exits with ENGINE_FAILED_STATUS (SystemExit) once the server has stopped."""
     from absl import app
 
     from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.entrypoints.openai import ServerSettings, build_app
+    from paged_jax.entrypoints.openai.engine_loop import EngineDead
     from paged_jax.entrypoints.openai.uvicorn_server import serve
     from paged_jax.worker.compilation_cache import enable_compilation_cache
 
@@ -82,6 +92,10 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
           f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
           f"{engine.config.block_size}, attention {engine.config.attention_backend})", file=sys.stderr)
     # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
-    multihost.run(engine, lambda: serve(build_app(engine, settings), host=f.host, port=f.port,
-                                        log_level=f.log_level, grace=f.shutdown_timeout))
+    try:
+        multihost.run(engine, lambda: serve(build_app(engine, settings), host=f.host, port=f.port,
+                                            log_level=f.log_level, grace=f.shutdown_timeout))
+    except EngineDead as exc:  # the traceback was logged by the engine thread when it failed
+        print(f"server stopped: {exc}; exiting with status {ENGINE_FAILED_STATUS}", file=sys.stderr)
+        sys.exit(ENGINE_FAILED_STATUS)
     print("server stopped", file=sys.stderr)

@@ -7,10 +7,23 @@ lifespan and stops with it: on shutdown (uvicorn's SIGINT/SIGTERM handling), req
 still running after uvicorn's graceful timeout are cancelled, and the engine loop
 aborts whatever is left, so every handler returns and every block is freed.
 
-Each request: validate (400s) -> submit a group of engine requests (503 when the
-waiting queue is full) -> wait until the engine accepted it (a bad prompt is a 400, not
-a broken stream) -> answer whole or as server-sent events. A task watches the
-connection meanwhile: a client that goes away aborts its request at the next step.
+Each request: validate (400s) -> tokenize (chat: render the template) -> submit a group
+of engine requests (503 when the waiting queue is full) -> wait until the engine
+accepted it (a bad prompt is a 400, not a broken stream) -> answer whole or as
+server-sent events. A task watches the connection meanwhile: a client that goes away
+aborts its request at the next step.
+
+Tokenizing happens here, on one tokenizer thread per app, never on the engine thread or
+the event loop: a 100k-character prompt takes tens of milliseconds to encode, which on
+the engine thread would stall every running request's next token, and on the event loop
+every other connection. One thread, as vLLM's tokenizer executor: the tokenizer's Rust
+state is shared, and a queue of long prompts should not take every default-pool thread.
+The engine gets token ids only (`{"prompt_token_ids": ids}`, plus the request's
+`cache_salt` when it has one).
+
+If the engine fails (engine_loop.py), requests in flight get a 500 (streams: an error
+event, then [DONE]), new ones and /health a 503, and the server shuts down so that the
+process exits non-zero (uvicorn_server.py, serve.py).
 """
 
 from __future__ import annotations
@@ -22,16 +35,17 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from paged_jax.entrypoints.openai import request_mapping as rm
-from paged_jax.entrypoints.openai.engine_loop import (EngineLoop, EngineRequest, EngineUnavailable, QueueFull, RequestAborted,
-                                          RequestStream)
-from paged_jax.entrypoints.openai.errors import (APIError, bad_request, install_error_handlers, server_busy, unavailable,
-                                    validation_message)
+from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
+                                                     QueueFull, RequestAborted, RequestStream)
+from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
+                                                 server_busy, unavailable, validation_message)
 from paged_jax.entrypoints.openai.http_guards import HTTPGuards
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
@@ -60,6 +74,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     created = int(time.time())
     max_model_len = engine.config.max_model_len
     logprobs_limit = rm.max_logprobs(engine)
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged_jax-tokenizer")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,7 +82,12 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(loop.stop)
+
+    async def tokenize(fn, *args):
+        """fn(*args) on the tokenizer thread; its APIError (a 400) propagates."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
 
     app = FastAPI(title="paged_jax OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_loop, app.state.metrics, app.state.settings = loop, metrics, settings
@@ -88,12 +108,16 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             stream = loop.submit(group)
         except QueueFull as exc:
             raise server_busy(str(exc)) from exc
+        except EngineDead as exc:
+            raise engine_dead(exc, in_flight=False) from exc
         except EngineUnavailable as exc:
             raise unavailable(exc) from exc
         try:
             await stream.accepted()
         except ValueError as exc:  # the engine refused a prompt: nothing was queued
             raise bad_request(str(exc), prompt_param) from exc
+        except EngineDead as exc:  # it was queued when the engine failed
+            raise engine_dead(exc, in_flight=True) from exc
         except EngineUnavailable as exc:
             raise unavailable(exc) from exc
         except BaseException:
@@ -119,6 +143,9 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
                 finals = await _collect(stream, recorder)
             except (_ClientGone, RequestAborted):
                 return Response(status_code=499)  # nobody is listening
+            except EngineDead as exc:  # counted as aborted, not as a refusal: it was accepted
+                recorder.abort()
+                return engine_dead(exc, in_flight=True).response()
             except EngineUnavailable as exc:  # shutting down: the engine loop aborted the request
                 recorder.abort()
                 raise unavailable(exc) from exc
@@ -154,9 +181,10 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
                     out = await stream.next()
                 except RequestAborted:
                     return
-                except EngineUnavailable as exc:
+                except EngineUnavailable as exc:  # shutting down, or the engine failed
                     recorder.abort()
-                    yield f"data: {json.dumps(unavailable(exc).body())}\n\n"
+                    error = engine_dead(exc, in_flight=True) if isinstance(exc, EngineDead) else unavailable(exc)
+                    yield f"data: {json.dumps(error.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 recorder.on_output(out)
@@ -196,9 +224,11 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         check_model(body.model)
         params = rm.sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=max_model_len,
                                     logprobs=body.logprobs)
+        prompts = rm.completion_prompts(body)
+        prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-{i}", prompt, params)
-                 for i, prompt in enumerate(rm.completion_prompts(body))]
+        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params)
+                 for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
                                   logprobs=body.logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
@@ -213,9 +243,9 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs)
-        prompt_ids = rm.chat_prompt_ids(rm.chat_messages(body), engine.tokenizer)
+        prompt_ids = await tokenize(rm.chat_prompt_ids, rm.chat_messages(body), engine.tokenizer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-0", {"prompt_token_ids": prompt_ids}, params)]
+        group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params)]
         builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[group[0].request_id], n=params.n, tokenizer=engine.tokenizer,
                                   logprobs=logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
@@ -228,6 +258,10 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while requests are served; 503 while shutting down and once the engine failed."""
+        if loop.error is not None:
+            return JSONResponse({"status": "engine_dead", "error": f"{type(loop.error).__name__}: {loop.error}"},
+                                status_code=503)
         if not loop.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}

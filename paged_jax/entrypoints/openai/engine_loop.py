@@ -19,6 +19,16 @@ request that was accepted is never dropped: it finishes, or its HTTP side aborts
 (client gone), or shutdown aborts it and its handler is told so. Shutdown is `drain()`
 (refuse new requests), then `abort_all()` once the grace period is over
 (uvicorn_server.py), then `stop()` (the app's lifespan), which joins the thread.
+
+A failure is fatal, as in vLLM: an exception on the engine thread (a step, an abort,
+the metrics hook; not a refused add) leaves the engine in an unknown state (blocks
+half-assigned, a device buffer gone), so it is never stepped again. Instead, every
+request it held or had queued gets EngineDead (non-streamed: a 500, streamed: an error
+event and [DONE]), `submit` refuses every new one with EngineDead (a 503), `alive`
+turns false (/health: 503), and `on_failure` is called so that the server exits
+(GracefulServer sets it: the process ends with a non-zero status and a supervisor
+restarts it). A server that kept its port open with a dead engine would look healthy
+to a load balancer's TCP check while serving nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +54,10 @@ class EngineUnavailable(Exception):
     """Delivered to (or raised for) requests when the server stops or the engine failed."""
 
 
+class EngineDead(EngineUnavailable):
+    """The engine thread failed: this request (in flight or new) cannot be served, ever."""
+
+
 class RequestAborted(Exception):
     """Delivered to a request that its own HTTP side aborted (the client went away)."""
 
@@ -54,7 +68,7 @@ ACCEPTED = "accepted"  # first item of a stream whose adds all succeeded
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     request_id: str
-    prompt: Any  # text, token ids, or {"prompt_token_ids": [...]}: whatever add_request takes
+    prompt: Any  # whatever add_request takes; the server sends {"prompt_token_ids": [...][, "cache_salt": s]}
     params: SamplingParams
 
 
@@ -113,7 +127,10 @@ class EngineLoop:
         self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.error: BaseException | None = None  # set if a step raised: the engine is unusable
+        self.error: BaseException | None = None  # set if the engine thread failed: the engine is unusable
+        # Called once, on the engine thread, after a failure, once every request was told
+        # (GracefulServer sets it to shut the server down).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle (event-loop thread) -------------------------------------------------
     def start(self) -> None:
@@ -170,9 +187,10 @@ class EngineLoop:
                 pass
 
         with self._cond:
+            if self.error is not None:
+                raise EngineDead(_dead_message(self.error))
             if not self.alive:
-                raise EngineUnavailable("the server is shutting down" if self.error is None
-                                        else f"the engine failed: {self.error!r}")
+                raise EngineUnavailable("the server is shutting down")
             if self._num_pending + self._num_waiting >= self.max_waiting_requests:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting_requests} sequences); retry later")
             self._commands.append(("add", requests, deliver, num_seqs))
@@ -187,6 +205,12 @@ class EngineLoop:
 
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # the engine is in an unknown state: tell everyone, then exit
+            self._fail(exc)
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
@@ -202,16 +226,7 @@ class EngineLoop:
                                          refuse_queued=True)
                 self._publish(added)
                 return
-            outputs = []
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception as exc:  # a bug in the engine: fail loudly, abort everything, stop
-                    logger.exception("engine step failed; the server stops serving")
-                    self.error = exc
-                    added += self._abort_all(EngineUnavailable(f"the engine failed: {exc!r}"), refuse_queued=True)
-                    self._publish(added)
-                    return
+            outputs = engine.step() if engine.has_unfinished_requests() else []
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
@@ -219,6 +234,22 @@ class EngineLoop:
             if outputs and self._on_step is not None:
                 self._on_step(outputs)
             self._publish(added)
+
+    def _fail(self, exc: Exception) -> None:
+        """Mark the engine dead (new submits are refused from here on), give every request
+        it held or had queued EngineDead, then call `on_failure`."""
+        logger.exception("the engine failed; every request is aborted and the server exits")
+        with self._cond:
+            self.error = exc
+        self._abort_all(EngineDead(_dead_message(exc)), refuse_queued=True)
+        with self._cond:
+            self._num_pending = 0  # every add was either applied (and is now aborted) or refused
+        self._publish(0)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(exc)
+            except Exception:
+                logger.exception("on_failure failed")
 
     def _apply(self, command) -> int:
         """Apply one command; returns the sequences it took off the pending count."""
@@ -278,3 +309,7 @@ class EngineLoop:
             self._num_waiting = int(stats.get("num_waiting", 0))
             self._num_streams = len(self._sinks)
             self._stats = stats
+
+
+def _dead_message(exc: BaseException) -> str:
+    return f"the engine failed ({type(exc).__name__}: {exc}); the server is shutting down"

@@ -8,10 +8,13 @@ message that says what was wrong. Status codes used:
     401 invalid_request_error  missing or wrong API key (code "invalid_api_key")
     404 invalid_request_error  unknown model (code "model_not_found", as OpenAI) or route
     413 invalid_request_error  body over --max_request_body_bytes (code "request_too_large")
-    503 server_error           waiting queue full (code "server_busy"), shutting down or the
-                               engine failed (code "unavailable")
+    500 server_error           the engine failed while the request was in flight (code
+                               "engine_dead"; a stream gets the same body as its last event)
+    503 server_error           waiting queue full (code "server_busy"), shutting down (code
+                               "unavailable"), the engine failed before the request came
+                               (code "engine_dead": the server is exiting)
 
-A 500 would mean a bug: the catch-all handler still answers in this shape and logs it.
+Any other 500 would mean a bug: the catch-all handler still answers in this shape and logs it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ def server_busy(message: str) -> APIError:
 
 def unavailable(exc: Exception) -> APIError:
     return APIError(503, str(exc), type="server_error", code="unavailable")
+
+
+def engine_dead(exc: Exception, *, in_flight: bool) -> APIError:
+    """The engine failed: a 500 for a request it held (it failed), a 503 for one that came
+    after (the server is going away; a client may retry elsewhere)."""
+    return APIError(500 if in_flight else 503, str(exc), type="server_error", code="engine_dead")
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -29,7 +29,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-REFUSAL_REASONS = ("bad_request", "model_not_found", "server_busy", "unavailable")
+REFUSAL_REASONS = ("bad_request", "model_not_found", "server_busy", "unavailable", "engine_dead")
 
 
 class _EngineCollector(Collector):

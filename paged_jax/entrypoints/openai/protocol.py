@@ -7,8 +7,11 @@ OpenAI arguments keep working, but the known arguments this engine cannot honour
 declared here and refused with a 400 when set to anything but their neutral value
 (`request_mapping.py`), so nothing a client asks for is quietly dropped.
 
-vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and `return_token_ids`
-are accepted too.
+vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `return_token_ids` and
+`cache_salt` are accepted too. `cache_salt` isolates a tenant's prefix cache: requests
+with different salts (or one with and one without) never share cached KV blocks, so a
+request cannot learn from its time to first token whether another tenant sent the same
+prefix. It must be a non-empty string or null (an empty salt is a 400, as in vLLM).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
     return_token_ids: bool = False  # vLLM extension: choices (and chunks) carry the generated token ids
+    cache_salt: str | None = None  # vLLM extension: prefix-cache blocks are shared only with the same salt
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused

@@ -2,8 +2,13 @@
 
 Everything here raises APIError(400) with a message naming the argument, before the
 request reaches the engine. Sampling values themselves are checked by SamplingParams
-(its ValueError becomes the 400's message), prompts by LLMEngine.add_request (its
-ValueError arrives through the engine loop and is mapped the same way).
+(its ValueError becomes the 400's message), prompt token ids (empty, too long, outside
+the vocabulary) by LLMEngine.add_request (its ValueError arrives through the engine loop
+and is mapped the same way).
+
+Prompts reach the engine as token ids only: text is tokenized here (`prompt_token_ids`,
+`chat_prompt_ids`), called by the app on its tokenizer thread, so that the engine thread
+never spends a step's time encoding a long prompt.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string (or null)", "cache_salt")
 
 
 def check_completion(req: CompletionRequest, logprobs_limit: int) -> None:
@@ -72,8 +79,8 @@ def check_chat(req: ChatCompletionRequest, logprobs_limit: int) -> None:
             raise bad_request(_logprobs_message("top_logprobs", req.top_logprobs, logprobs_limit), "top_logprobs")
 
 
-def completion_prompts(req: CompletionRequest) -> list:
-    """One engine prompt per OpenAI prompt: text, or {"prompt_token_ids": [...]}."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """One entry per OpenAI prompt: its text, or its token ids."""
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -82,8 +89,32 @@ def completion_prompts(req: CompletionRequest) -> list:
     if isinstance(p[0], str):
         return list(p)
     if isinstance(p[0], int):
-        return [{"prompt_token_ids": list(p)}]
-    return [{"prompt_token_ids": list(ids)} for ids in p]
+        return [list(p)]
+    return [list(ids) for ids in p]
+
+
+def prompt_token_ids(prompts: list[str | list[int]], tokenizer) -> list[list[int]]:
+    """Text prompts tokenized as LLMEngine.add_request would (`tokenizer.encode`), id lists
+    as they are. Blocking (tens of ms for a long prompt): the app runs it off the event loop."""
+    return [_encode(p, tokenizer) if isinstance(p, str) else p for p in prompts]
+
+
+def _encode(text: str, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+    try:  # json_body.py refuses lone surrogates already; a caller without it still gets a 400
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}", "prompt") from exc
+    return [int(t) for t in tokenizer.encode(text)]
+
+
+def engine_prompt(token_ids: list[int], cache_salt: str | None) -> dict:
+    """The dict prompt LLMEngine.add_request takes; the salt only when the request has one."""
+    prompt = {"prompt_token_ids": list(token_ids)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -7,17 +7,30 @@ so every handler answers (a stream ends with an error event and `data: [DONE]`, 
 waiting client gets a 503) and its blocks are freed; then uvicorn closes the
 connections and the app's lifespan stops the engine thread. uvicorn's own
 `timeout_graceful_shutdown` (task cancellation) stays as a backstop.
+
+An engine failure shuts the server down the same way, by itself: the engine loop has
+already answered every request it held (engine_loop.py) and calls `engine_failed`,
+which records the error and sets uvicorn's `should_exit` (a flag its main loop polls
+every 0.1 s, so setting it from the engine thread is safe). `serve()` then raises
+EngineDead, so that the entry point exits non-zero and a supervisor (systemd,
+Kubernetes, a shell loop) restarts the process; a BackgroundServer's thread just ends,
+with the error in `engine_error`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
 
 import uvicorn
+
+from paged_jax.entrypoints.openai.engine_loop import EngineDead
+
+logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "the server is shutting down; the request was aborted"
 
@@ -26,9 +39,19 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, *, grace: float = 5.0):
         super().__init__(config)
         self.grace = grace
+        self.engine_error: BaseException | None = None  # set by engine_failed
+        loop = _engine_loop(config.app)
+        if loop is not None:
+            loop.on_failure = self.engine_failed
+
+    def engine_failed(self, exc: BaseException) -> None:
+        """The engine loop's on_failure (called on the engine thread): shut down."""
+        logger.error("the engine failed (%s: %s); shutting the server down", type(exc).__name__, exc)
+        self.engine_error = exc
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        loop = getattr(getattr(self.config.app, "state", None), "engine_loop", None)
+        loop = _engine_loop(self.config.app)
         if loop is not None:
             for server in self.servers:  # no new connections while draining
                 server.close()
@@ -55,13 +78,22 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
+def _engine_loop(app):
+    return getattr(getattr(app, "state", None), "engine_loop", None)
+
+
 def _config(app, *, log_level: str, grace: float, **kwargs) -> uvicorn.Config:
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + 15, **kwargs)
 
 
 def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", grace: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM (blocking; call from the main thread)."""
-    GracefulServer(_config(app, log_level=log_level, grace=grace, host=host, port=port), grace=grace).run()
+    """Serve until SIGINT/SIGTERM (blocking; call from the main thread). Raises EngineDead
+    (the engine's exception as its cause) when the server stopped because the engine failed."""
+    server = GracefulServer(_config(app, log_level=log_level, grace=grace, host=host, port=port), grace=grace)
+    server.run()
+    if server.engine_error is not None:
+        error = server.engine_error
+        raise EngineDead(f"the engine failed ({type(error).__name__}: {error})") from error
 
 
 class BackgroundServer:
@@ -94,6 +126,11 @@ class BackgroundServer:
     def loop(self):
         """The app's EngineLoop (stats, admission bound)."""
         return self.app.state.engine_loop
+
+    @property
+    def engine_error(self) -> BaseException | None:
+        """The engine's exception if it failed (the server then stops by itself)."""
+        return self.server.engine_error
 
     def stop(self, timeout: float = 60) -> None:
         self.server.should_exit = True
