@@ -91,6 +91,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two JAX processes with gloo, each compiling its buckets
 def test_two_processes_of_two_cpu_devices_equal_one_device(tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))

@@ -386,6 +386,7 @@ def test_tiny_checkpoint_restores_shard_by_shard():
     assert ckpt["bytes"] == tiny_results()["footprint"]["4"]["params"]
 
 
+@pytest.mark.slow  # SmolLM2 at TP 3 and TP 1 in a 4-device child process
 def test_smollm2_tp3_greedy_equals_tp1():
     r = smollm2_results()
     model = {}
@@ -401,6 +402,7 @@ def test_smollm2_tp3_greedy_equals_tp1():
         assert_greedy_match(prompt, want, got, logits)
 
 
+@pytest.mark.slow  # SmolLM2 at TP 3, compiled HLO inspected
 def test_smollm2_tp3_memory_and_collectives():
     r = smollm2_results()
     cfg = _config("smollm2_135m")

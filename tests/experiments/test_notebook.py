@@ -13,6 +13,7 @@ on 2 CPU cores with a warm compilation cache.
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -31,6 +32,7 @@ def test_notebook_is_committed_with_outputs_cleared():
     assert not dirty, f"code cells {dirty} carry outputs: clear them before committing"
 
 
+@pytest.mark.slow  # runs the whole tour on SmolLM2: 1-3 min
 def test_notebook_runs_top_to_bottom():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
