@@ -8,12 +8,12 @@ to a host pool and back (swap preemption). It decides nothing: the scheduler ask
 
 Prefix caching (`enable_prefix_caching`). When a caller passes a sequence's tokens to
 `allocate_slots`, every block that becomes full is registered in the device pool under
-a chained hash of (parent block's hash, the block's token ids, extra keys), so equal
-prefixes give equal hashes. `find_cached_prefix` walks a new sequence's full blocks
-through that map, verifying each hit's key in full, and `allocate_slots(...,
-cached_blocks=hits)` makes them the head of its table; those tokens need no compute.
-Cached blocks whose last holder is gone stay in the free queue with their hash (LRU) and
-are evicted only when handed out for new contents.
+its `BlockKey`, a sha256 chain that names the block's whole prefix (prefix_cache.py); the
+first block's key holds the sequence's `cache_salt`, so different salts never share.
+`find_cached_prefix` walks a new sequence's full blocks through that map, verifying each
+hit in full, and `allocate_slots(..., cached_blocks=hits)` makes them the head of its
+table; those tokens need no compute. Cached blocks whose last holder is gone stay in the
+free queue with their key (LRU) and are evicted only when handed out for new contents.
 
 Copy orders. `allocate_slots`, `swap_out` and `swap_in` return `(src, dst)` block-id
 pairs that the runner must execute before the next forward pass. Executing them in the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from paged_jax.core.block_manager_invariants import broken_invariants
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+from paged_jax.core.prefix_cache import BlockKey, check_salt, find_prefix, register_full_blocks
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -65,9 +66,10 @@ class BlockManager:
         self._tables: dict[int, list[KVCacheBlock]] = {}  # seq id -> block table
         self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
         self._swapped: set[int] = set()  # seq ids whose tables refer to host blocks
-        # seq id -> chained hashes of its full blocks, in logical order (prefix caching)
-        self._hashes: dict[int, list[int]] = {}
-        self._extra_keys: dict[int, tuple] = {}  # seq id -> extra hash keys (e.g. an adapter)
+        # seq id -> prefix-cache keys of its full blocks, in logical order (prefix caching)
+        self._keys: dict[int, list[BlockKey]] = {}
+        self._extra_keys: dict[int, tuple] = {}  # seq id -> extra keys of every block (e.g. an adapter)
+        self._salts: dict[int, str] = {}  # seq id -> cache_salt, in its first block's key
 
     # ------------------------------------------------------------------ queries
 
@@ -138,40 +140,28 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = ()) -> list[KVCacheBlock]:
+    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = (), *,
+                           cache_salt: str | None = None) -> list[KVCacheBlock]:
         """The longest run of cached blocks equal to the sequence's leading full blocks.
 
         `tokens(start, end)` returns the sequence's token ids; only tokens before the last
         one are looked up, so at least one token is left to compute (its logits are
-        needed). Returns [] when prefix caching is off.
+        needed). `extra_keys` and `cache_salt` must be what the sequence will be
+        allocated with. Returns [] when prefix caching is off.
         """
         if not self.enable_prefix_caching:
             return []
-        hits: list[KVCacheBlock] = []
-        parent = None
-        for i in range((num_tokens - 1) // self.block_size):
-            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra_keys)
-            block = self._device.lookup(hash(key), key)
-            if block is None:
-                break
-            hits.append(block)
-            parent = block.block_hash
-        return hits
+        return find_prefix(self._device, tokens, num_tokens, self.block_size, tuple(extra_keys), cache_salt)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running sequences keep theirs); returns how many."""
         return self._device.reset_cache()
 
     def _cache_full_blocks(self, seq_id: int, tokens) -> None:
-        """Register the sequence's newly full blocks under their chained hashes."""
-        hashes = self._hashes.setdefault(seq_id, [])
-        table, extra = self._tables[seq_id], self._extra_keys.get(seq_id, ())
-        for i in range(len(hashes), self._num_tokens[seq_id] // self.block_size):
-            parent = hashes[-1] if hashes else None
-            key = (parent, tuple(tokens(i * self.block_size, (i + 1) * self.block_size)), extra)
-            block = table[i]  # registered already only if shared: then with this very key
-            hashes.append(block.block_hash if block.block_hash is not None
-                          else self._device.cache_block(block, key))
+        """Register the sequence's newly full blocks (prefix_cache.register_full_blocks)."""
+        register_full_blocks(self._device, self._tables[seq_id], self._keys.setdefault(seq_id, []),
+                             self._num_tokens[seq_id] // self.block_size, tokens, self.block_size,
+                             self._extra_keys.get(seq_id, ()), self._salts.get(seq_id))
 
     # ------------------------------------------------------------------ admission and growth
 
@@ -186,15 +176,33 @@ class BlockManager:
         needed += sum(1 for b in cached_blocks if b.ref_count == 0)
         return self.num_free_blocks - needed >= self.watermark_blocks
 
+    def num_growth_blocks(self, targets: dict[int, int]) -> int:
+        """Device blocks that growing each sequence `s` to `targets[s]` tokens takes: new
+        blocks plus copy-on-write copies, exactly. Only a partly full last block that
+        another table shares is copied, and once per writer but the last holder, who
+        writes in place (so a block shared by r tables, w of them writing, costs
+        min(w, r - 1)). For a swapped group the host ref counts are the group's own, so
+        this is what the group takes beyond `num_swap_in_blocks` once back.
+        """
+        new, writers = 0, {}  # id(shared partly full block) -> [block, tables writing into it]
+        for seq_id, target in targets.items():
+            table, current = self._require(seq_id), self._num_tokens[seq_id]
+            _check_int(f"target of sequence {seq_id}", target, current)
+            new += self.num_blocks_needed(target) - len(table)
+            if target > current and current % self.block_size and table[-1].ref_count > 1:
+                writers.setdefault(id(table[-1]), [table[-1], 0])[1] += 1
+        return new + sum(min(w, block.ref_count - 1) for block, w in writers.values())
+
     def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None,
-                       cached_blocks: list[KVCacheBlock] = (),
-                       extra_keys: tuple = (), final_num_tokens=None) -> list[tuple[int, int]] | None:
+                       cached_blocks: list[KVCacheBlock] = (), extra_keys: tuple = (),
+                       cache_salt: str | None = None, final_num_tokens=None) -> list[tuple[int, int]] | None:
         """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
 
         A new sequence may start from `cached_blocks` (from `find_cached_prefix`); with
         prefix caching on and `tokens` given (`tokens(start, end)` -> token ids), the
-        blocks this call makes full are registered in the cache. `extra_keys` (new
-        sequences only) salt its hashes.
+        blocks this call makes full are registered in the cache. `extra_keys` (in every
+        block's key) and `cache_salt` (in the first block's, so in the whole chain) are
+        taken from new sequences only, and must match the lookup that found the hits.
 
         Blocks are added only when the last one is full (on demand). If the sequence is
         about to write into a partly full last block that another table shares, that
@@ -214,11 +222,12 @@ class BlockManager:
                     num_total_tokens == current or current % self.block_size == 0 or table[-1].ref_count == 1):
                 self._num_tokens[seq_id] = num_total_tokens
                 if self.enable_prefix_caching and tokens is not None:
-                    hashes = self._hashes.get(seq_id)
-                    if hashes is None or len(hashes) < num_total_tokens // self.block_size:
+                    keys = self._keys.get(seq_id)
+                    if keys is None or len(keys) < num_total_tokens // self.block_size:
                         self._cache_full_blocks(seq_id, tokens)
                 return []
         _check_int("num_total_tokens", num_total_tokens, 0)
+        check_salt(cache_salt)
         if cached_blocks:
             if seq_id in self._tables:
                 raise ValueError(f"cached blocks can only start a new sequence; {seq_id} exists")
@@ -230,9 +239,12 @@ class BlockManager:
             self._device.incr_ref(cached_blocks)
             self._tables[seq_id] = list(cached_blocks)
             self._num_tokens[seq_id] = len(cached_blocks) * self.block_size
-            self._hashes[seq_id] = [b.block_hash for b in cached_blocks]
-        if seq_id not in self._tables and extra_keys:
-            self._extra_keys[seq_id] = tuple(extra_keys)
+            self._keys[seq_id] = [b.block_key for b in cached_blocks]
+        if seq_id not in self._tables or cached_blocks:
+            if extra_keys:
+                self._extra_keys[seq_id] = tuple(extra_keys)
+            if cache_salt is not None:
+                self._salts[seq_id] = cache_salt
         table = self._tables.get(seq_id, [])
         if seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} is swapped out; swap it in before growing it")
@@ -273,10 +285,12 @@ class BlockManager:
         self._device.incr_ref(parent)
         self._tables[child_id] = list(parent)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
-        if parent_id in self._hashes:
-            self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._keys:
+            self._keys[child_id] = list(self._keys[parent_id])
         if parent_id in self._extra_keys:
             self._extra_keys[child_id] = self._extra_keys[parent_id]
+        if parent_id in self._salts:
+            self._salts[child_id] = self._salts[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references (device or host side) and forget it.
@@ -289,8 +303,9 @@ class BlockManager:
         pool.free_blocks(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
         self._swapped.discard(seq_id)
-        self._hashes.pop(seq_id, None)
+        self._keys.pop(seq_id, None)
         self._extra_keys.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 

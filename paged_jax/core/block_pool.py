@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from paged_jax.core.prefix_cache import BlockKey
+
 NULL_BLOCK_ID = 0
 
 
@@ -28,16 +30,19 @@ class KVCacheBlock:
     block_id: int
     # Number of block tables holding this block; 0 means the block is in the free queue.
     ref_count: int = 0
-    # Chained hash of the block's tokens, set once the block is full and registered in
-    # the pool's prefix cache; None otherwise. Survives the block being freed (a freed
-    # cached block can still be hit) and is cleared when the block is handed out anew.
-    block_hash: int | None = None
-    # What `block_hash` was computed from: (parent hash, token ids, extra keys). A cache
-    # hit compares it in full, so a hash collision can never serve wrong K/V.
-    block_key: tuple | None = field(default=None, repr=False)
+    # The block's prefix-cache key, set once the block is full and registered in the
+    # pool's prefix cache; None otherwise. Survives the block being freed (a freed cached
+    # block can still be hit) and is cleared when the block is handed out anew. A hit
+    # compares it in full, so a digest collision can never serve wrong K/V.
+    block_key: BlockKey | None = field(default=None, repr=False)
     # Free-queue neighbours; both None exactly when the block is not in a free queue.
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        """The key's sha256 digest (the cache index), or None when not registered."""
+        return self.block_key.digest if self.block_key is not None else None
 
     @property
     def in_free_queue(self) -> bool:
@@ -161,9 +166,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
         first_usable = 1 if reserve_null_block else 0
         self.free_queue = FreeBlockQueue(self.blocks[first_usable:])
-        # Prefix cache: block hash -> the one block registered under it. Entries live
+        # Prefix cache: key digest -> the one block registered under it. Entries live
         # while the block is referenced or free-but-not-reused; `get_new_blocks` evicts.
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0  # cached blocks reused for new contents
 
     @property
@@ -179,7 +184,7 @@ class BlockPool:
         """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1.
 
         Raises ValueError (and takes nothing) if fewer are free: callers check first.
-        A block handed out is empty, so its stale `block_hash` is cleared.
+        A block handed out is empty, so its stale prefix-cache key is cleared.
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
@@ -191,31 +196,35 @@ class BlockPool:
             block = self.free_queue.popleft()
             assert block.ref_count == 0, f"free block {block.block_id} has refs"
             block.ref_count = 1
-            if block.block_hash is not None:  # LRU eviction from the prefix cache
+            if block.block_key is not None:  # LRU eviction from the prefix cache
                 self._uncache(block)
                 self.num_evictions += 1
             out.append(block)
         return out
 
     # ---- prefix cache -------------------------------------------------------------------
-    def cache_block(self, block: KVCacheBlock, block_key: tuple) -> int:
-        """Register a full, referenced block under `hash(block_key)`; returns the hash.
+    def cache_block(self, block: KVCacheBlock, block_key: BlockKey) -> bool:
+        """Register a full, referenced block under `block_key`; True if it was registered.
 
-        If another block already holds that key, the cache keeps the older one and this
-        block stays unregistered (it is still a valid block of its sequence).
+        If another block already holds that digest (the same key, or a colliding one),
+        the cache keeps the older block and this one stays unregistered: still a valid
+        block of its sequence, just not findable. The caller's chain goes on from its own
+        key either way, never from whatever holds the digest.
         """
         self._check_owned(block)
-        if block.ref_count == 0 or block.block_hash is not None:
+        if block.ref_count == 0 or block.block_key is not None:
             raise ValueError(f"block {block.block_id} must be referenced and not yet cached")
-        block_hash = hash(block_key)
-        if block_hash not in self.cached:
-            block.block_hash, block.block_key = block_hash, block_key
-            self.cached[block_hash] = block
-        return block_hash
+        if not isinstance(block_key, BlockKey):
+            raise ValueError(f"block_key must be a BlockKey, got {type(block_key).__name__}")
+        if block_key.digest in self.cached:
+            return False
+        block.block_key = block_key
+        self.cached[block_key.digest] = block
+        return True
 
-    def lookup(self, block_hash: int, block_key: tuple) -> KVCacheBlock | None:
-        """The cached block for this hash, if its key matches in full (else None)."""
-        block = self.cached.get(block_hash)
+    def lookup(self, block_key: BlockKey) -> KVCacheBlock | None:
+        """The cached block for this key's digest, if its key matches in full (else None)."""
+        block = self.cached.get(block_key.digest)
         return block if block is not None and block.block_key == block_key else None
 
     def reset_cache(self) -> int:
@@ -228,7 +237,7 @@ class BlockPool:
     def _uncache(self, block: KVCacheBlock) -> None:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        block.block_hash = block.block_key = None
+        block.block_key = None
 
     def incr_ref(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block (a new table holds it).
@@ -297,8 +306,9 @@ class BlockPool:
                     f"block {block.block_id} is in the free queue with ref_count {block.ref_count}")
             if not free and block.ref_count == 0:
                 problems.append(f"block {block.block_id} is neither free nor referenced")
-        for block_hash, block in self.cached.items():
-            if block.block_hash != block_hash or hash(block.block_key) != block_hash:
+        for digest, block in self.cached.items():
+            key = block.block_key
+            if key is None or key.digest != digest or not key.digest_is_consistent():
                 problems.append(f"cached block {block.block_id} does not match its hash entry")
         for block in self.blocks:
             if block.block_hash is not None and self.cached.get(block.block_hash) is not block:

@@ -12,8 +12,16 @@ them at the front of waiting) or by swap (copy their blocks to host memory as on
 group, so blocks they share stay shared). A step that preempted admits nothing new.
 
 Sharing: a new sequence starts from the longest run of cached blocks of its prefix
-(prefix caching), and the completions of an `n > 1` request are forked from its first
-sequence once all its prompt tokens but the last are computed (`pending_forks`).
+(prefix caching; only among sequences of equal `cache_salt`), and the completions of an
+`n > 1` request are forked from its first sequence once all its prompt tokens but the
+last are computed (`pending_forks`). `seq.num_cached_tokens` records the tokens its
+first admission found cached (a forked completion inherits its parent's); re-admission
+after a recompute preemption leaves it alone.
+
+Progress: whatever the engine admits must finish (tests/core/test_scheduler_progress.py).
+So a swapped group is charged exactly the blocks it takes back (`num_growth_blocks`: a
+copy-on-write only for a shared partly full last block), and without chunked prefill the
+budget must hold a max_model_len prefill.
 
 Pure Python; the runner sees only the returned SchedulerOutput.
 """
@@ -30,6 +38,13 @@ from paged_jax.core.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        limit = config.max_model_len
+        if not config.enable_chunked_prefill and limit is not None and config.max_num_batched_tokens < limit:
+            # a whole prefill (a prompt, or prompt + output after a recompute preemption)
+            # may reach max_model_len tokens; a longer one than the budget would wait forever
+            raise ValueError(f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                             f"({config.max_num_batched_tokens} < {limit}): enable chunked prefill, raise "
+                             "the budget or lower max_model_len")
         self.config = config
         self.block_manager = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -75,6 +90,7 @@ class Scheduler:
         if parent.status is SequenceStatus.RUNNING:
             bm.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens  # its prompt's K/V are the parent's
             child.status = SequenceStatus.RUNNING
             i = self.running.index(parent) + 1
             while i < len(self.running) and self.running[i].request_id == parent.request_id:
@@ -124,8 +140,10 @@ class Scheduler:
         while self.swapped and not preempted and self._has_room():
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
-            growth = sum(bm.num_blocks_needed(s.num_tokens_to_compute) - bm.num_blocks_needed(s.num_computed_tokens)
-                         + 1 for s in group)  # + 1: a copy-on-write each, at most
+            # exact: a copy-on-write only where a partly full last block is shared, else a
+            # group needing the whole free pool (all a lone request may use) never returns
+            growth = bm.num_growth_blocks({s.seq_id: max(s.num_tokens_to_compute, s.num_computed_tokens)
+                                           for s in group})
             if bm.num_free_blocks - bm.num_swap_in_blocks(ids) - growth < bm.watermark_blocks:
                 break
             self.swapped.popleft()
@@ -133,14 +151,21 @@ class Scheduler:
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                num_new = self._num_new_tokens(seq)
-                if num_new and self._has_room() and not self._try_schedule(seq, num_new):
-                    raise AssertionError("checked above: the group and its growth fit")
+            for seq in group:
+                # swapped at its fork point, it has nothing to compute until it forks: fork
+                # now, or a step that only swapped it in would schedule nothing (and stall)
+                children = self._fork_if_ready(seq)
+                for member in [seq] + children:
+                    num_new = self._num_new_tokens(member)
+                    if num_new and self._has_room() and not self._try_schedule(member, num_new) and not children:
+                        raise AssertionError("checked above: the group and its growth fit")
 
         # 3. waiting sequences, FCFS, while blocks and budget last
         while self.waiting and not preempted and not self.swapped and self._has_room():
             seq = self.waiting[0]
-            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+            # the salt only for a prefix-caching BlockManager (contiguous allocators take none)
+            salt = {"cache_salt": seq.cache_salt} if bm.enable_prefix_caching else {}
+            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens, **salt)
             num_cached = len(hits) * bm.block_size
             missing = seq.num_tokens_to_compute - num_cached
             num_new = self._fit_budget(missing)
@@ -148,12 +173,14 @@ class Scheduler:
             if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
                 break
             orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
-                                       final_num_tokens=final)
+                                       final_num_tokens=final, **salt)
             assert orders == [], "a new sequence writes only into fresh blocks"
             self.waiting.popleft()
             self.prefix_cache_query_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += num_cached
             seq.num_computed_tokens = num_cached
+            if not seq.num_preemptions:  # first admission: what the request is told was cached
+                seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if num_new:

@@ -1,17 +1,31 @@
 """Prefix caching in the block manager: chained hashes, verified hits, LRU eviction.
 
-Hand cases on a pool of 7 blocks (6 usable) with block_size 2, then a hypothesis walk
-that models the device: every block's contents are tracked as slots get written and
-copy-on-write copies happen, and every cache hit must hand out blocks whose contents are
-exactly the tokens asked for.
+Hand cases on a pool of 7 blocks (6 usable) with block_size 2; keys that name the whole
+prefix (sha256 chain, stable across processes, safe under a deliberately colliding hash
+function); cache_salt and num_cached_tokens at the block-manager and scheduler level;
+then a hypothesis walk that models the device: every block's contents are tracked as
+slots get written and copy-on-write copies happen, and every cache hit must hand out
+blocks holding K/V of exactly the salt and prefix asked for.
 """
+
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from paged_jax.config.engine_config import EngineConfig
+from paged_jax.core import prefix_cache
 from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.prefix_cache import BlockKey
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.sequence import Sequence
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _tokens(ids):
@@ -39,9 +53,9 @@ def test_hash_is_chained_and_key_verified():
     bm.allocate_slots(1, 4, tokens=_tokens([5, 6, 7, 8]))
     # Same second block, different first block: the chain breaks at block 0.
     assert bm.find_cached_prefix(_tokens([1, 1, 7, 8, 0]), 5) == []
-    # A forged entry whose hash matches but whose key differs is not served.
+    # A forged entry whose digest matches but whose tokens differ is not served.
     block = bm.find_cached_prefix(_tokens([5, 6, 0]), 3)[0]
-    block.block_key = (None, (9, 9), ())
+    block.block_key = BlockKey(None, (9, 9), (), block.block_key.digest)
     assert bm.find_cached_prefix(_tokens([5, 6, 0]), 3) == []
 
 
@@ -111,12 +125,143 @@ def test_cached_blocks_only_start_a_sequence():
         bm.allocate_slots(2, 3, cached_blocks=hits)
 
 
+# --------------------------------------------------------------------------- whole-prefix keys
+
+
+def _sum_hash(parent_digest, token_ids, extra_keys):
+    """A deliberately weak digest: the sum of the block's tokens, parent ignored, so
+    [1 2] and [0 3] collide, and so does every block of equal sum under any prefix."""
+    return sum(token_ids).to_bytes(8, "little")
+
+
+def test_colliding_digest_never_serves_kv_of_another_prefix(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "hash_block", _sum_hash)
+    bm = _bm()
+    bm.allocate_slots(1, 3, tokens=_tokens([1, 2, 9]))  # caches [1 2]
+    bm.allocate_slots(2, 5, tokens=_tokens([0, 3, 5, 6, 9]))  # [0 3] collides: not cached; [5 6] is
+    assert bm.num_blocks_cached == 2
+    # [1 2] is a correct hit; [5 6] was computed after [0 3], so it must not follow it.
+    hits = bm.find_cached_prefix(_tokens([1, 2, 5, 6, 9]), 5)
+    assert [h.block_id for h in hits] == bm.block_table(1)[:1]
+    bm.check_invariants()
+
+
+def test_unregistered_block_lends_no_key_to_its_children(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "hash_block", _sum_hash)
+    bm = _bm()
+    bm.allocate_slots(1, 3, tokens=_tokens([1, 2, 9]))
+    bm.allocate_slots(2, 5, tokens=_tokens([0, 3, 5, 6, 9]))
+    first, second = bm._keys[2]
+    # seq 2's chain is its own: [0 3] -> [5 6], not the cached [1 2]'s key
+    assert first.token_ids == (0, 3) and second.parent is first
+    assert first != bm._keys[1][0] and first.digest == bm._keys[1][0].digest
+    # a block whose parent was never registered is unreachable: the walk stops at [0 3]
+    assert bm.find_cached_prefix(_tokens([0, 3, 5, 6, 9]), 5) == []
+
+
+def test_keys_are_a_sha256_chain_stable_across_processes():
+    key = BlockKey.chain(BlockKey.chain(None, (1, 2, 3)), (4, 5, 6), ("lora", 7))
+    assert len(key.digest) == 32 and key.digest_is_consistent()
+    assert key != BlockKey.chain(BlockKey.chain(None, (1, 2, 4)), (4, 5, 6), ("lora", 7))  # parent differs
+    assert BlockKey.chain(None, (1,), ("a",)).digest != BlockKey.chain(None, (1,), (("a",),)).digest
+    assert BlockKey.chain(None, (1, 2)).digest != BlockKey.chain(None, (1,), (2,)).digest  # tokens vs extras
+    code = ("from paged_jax.core.prefix_cache import BlockKey; "
+            "print(BlockKey.chain(BlockKey.chain(None, (1, 2, 3)), (4, 5, 6), ('lora', 7)).digest.hex())")
+    for seed in ("1", "2"):  # Python's str hash() differs between these; the digest must not
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": seed}, cwd=REPO_ROOT)
+        assert out.stdout.strip() == key.digest.hex()
+    with pytest.raises(ValueError, match="extra keys"):
+        BlockKey.chain(None, (1,), (1.5,))
+
+
+# --------------------------------------------------------------------------- cache_salt
+
+
+def test_cache_salt_separates_prefixes_in_the_block_manager():
+    bm = _bm(num_blocks=20)
+    prompt = [5, 6, 7, 8, 9]
+    for seq_id, salt in ((1, "a"), (2, "b"), (3, None)):
+        assert bm.find_cached_prefix(_tokens(prompt), 5, cache_salt=salt) == []  # nothing of this salt yet
+        bm.allocate_slots(seq_id, 5, tokens=_tokens(prompt), cache_salt=salt)
+    for seq_id, salt in ((1, "a"), (2, "b"), (3, None)):  # each salt finds exactly its own blocks
+        hits = bm.find_cached_prefix(_tokens(prompt), 5, cache_salt=salt)
+        assert [h.block_id for h in hits] == bm.block_table(seq_id)[:2]
+    assert len({bm.block_table(s)[0] for s in (1, 2, 3)}) == 3
+    assert bm.find_cached_prefix(_tokens(prompt), 5, cache_salt="c") == []
+    with pytest.raises(ValueError, match="cache_salt"):
+        bm.allocate_slots(4, 5, cache_salt=1)
+
+
+def _scheduler(num_blocks=20, **kw):
+    config = EngineConfig(block_size=2, max_model_len=16, max_num_seqs=8, max_num_batched_tokens=32,
+                          watermark=0.0, attention_backend="reference", **kw)
+    bm = BlockManager(num_blocks, 2, watermark=0.0, enable_prefix_caching=True)
+    return Scheduler(config, bm), bm
+
+
+def _seq(seq_id, prompt, salt=None):
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, prompt_token_ids=list(prompt),
+                    sampling_params=SamplingParams(max_tokens=8), arrival_time=0.0, seed=0, cache_salt=salt)
+
+
+def _run_step(sched, seqs):
+    out = sched.schedule()
+    for _, seq in sched.update(out, {s.seq_id: s for s in seqs}):
+        seq.output_token_ids.append(3)
+    return out
+
+
+def test_scheduler_shares_prefix_blocks_only_within_a_salt():
+    sched, bm = _scheduler()
+    prompt = [5, 6, 7, 8, 9]
+    first = [_seq(0, prompt, "a"), _seq(1, prompt, "b"), _seq(2, prompt)]
+    for seq in first:
+        sched.add(seq)
+    _run_step(sched, first)
+    assert len({bm.block_table(s.seq_id)[0] for s in first}) == 3  # no sharing across salts
+    again = [_seq(3, prompt, "a"), _seq(4, prompt, "b"), _seq(5, prompt)]
+    for seq in again:
+        sched.add(seq)
+    out = _run_step(sched, first + again)
+    for old, new in zip(first, again):  # ... and full sharing within one
+        assert bm.block_table(new.seq_id)[:2] == bm.block_table(old.seq_id)[:2]
+        assert new.num_cached_tokens == 4 and old.num_cached_tokens == 0
+    assert {c.seq_id: c.start_position for c in out.chunks if c.seq_id >= 3} == {3: 4, 4: 4, 5: 4}
+
+
+def test_num_cached_tokens_is_kept_from_the_first_admission():
+    sched, bm = _scheduler(num_blocks=5)  # 4 usable blocks of 2
+    warm = _seq(0, [5, 6, 7, 8, 9])
+    sched.add(warm)
+    _run_step(sched, [warm])
+    sched.finish(warm, warm.status.FINISHED_ABORTED)  # its full blocks stay cached
+    early, late = _seq(1, [1, 2]), _seq(2, [5, 6, 7, 8, 9])
+    sched.add(early)
+    sched.add(late)
+    seqs = [early, late]
+    _run_step(sched, seqs)
+    assert late.num_cached_tokens == 4 and late.num_computed_tokens == 5
+    for _ in range(10):  # both grow until the later one is preempted (recompute)
+        _run_step(sched, seqs)
+        if late.num_preemptions:
+            break
+    assert late.num_preemptions == 1 and late.status is late.status.WAITING
+    sched.finish(early, early.status.FINISHED_LENGTH)
+    _run_step(sched, seqs)  # re-admitted: its own blocks, registered as it grew, are hits now
+    assert late.status is late.status.RUNNING
+    assert late.num_computed_tokens > 4  # re-admitted with more than its first cached blocks...
+    assert late.num_cached_tokens == 4  # ... but the request still reports the first admission's
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random admit (with lookup) / grow / fork / free / reset on a 9-block pool.
 
-    Tokens come from a 3-letter alphabet and new sequences often reuse an earlier
-    sequence's prefix, so hits, shared partial blocks, duplicate keys and evictions are
-    all frequent. `contents` models the device: block id -> tokens in its slots.
+    Tokens come from a 3-letter alphabet, salts from {None, "a", "b"}, and new sequences
+    often reuse an earlier sequence's prefix, so hits, shared partial blocks, duplicate
+    keys and evictions are all frequent. `contents` models the device: block id -> per
+    slot, (salt, prefix) of the sequence that wrote it (K/V depend on the whole prefix),
+    so a hit computed under another prefix or salt is caught, not just wrong tokens.
     """
 
     def __init__(self):
@@ -124,8 +269,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.bm = BlockManager(9, 2, watermark=0.0, enable_prefix_caching=True)
         self.contents: dict[int, list] = {}
         self.tokens: dict[int, list[int]] = {}  # seq id -> its tokens (all have slots)
+        self.salts: dict[int, str | None] = {}
         self.next_id = 0
         self.num_hits = 0
+
+    def _want(self, seq, toks, pos):
+        return (self.salts[seq], tuple(toks[: pos + 1]))
 
     def _write(self, seq, orders, old_n):
         for src, dst in orders:
@@ -135,25 +284,25 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             block = self.contents.setdefault(table[pos // 2], [None, None])
             if pos % 2 == 0:  # a fresh block's stale second slot is never read
                 block[1] = None
-            block[pos % 2] = toks[pos]
+            block[pos % 2] = self._want(seq, toks, pos)
 
-    @rule(data=st.data(), n=st.integers(1, 7))
-    def admit(self, data, n):
+    @rule(data=st.data(), n=st.integers(1, 7), salt=st.sampled_from([None, None, "a", "b"]))
+    def admit(self, data, n, salt):
         donors = sorted(self.tokens)
         base = self.tokens[data.draw(st.sampled_from(donors))] if donors and data.draw(st.booleans()) else []
         toks = (base + data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)))[: max(n, 1)]
-        hits = self.bm.find_cached_prefix(_tokens(toks), len(toks))
-        for i, block in enumerate(hits):  # a hit holds exactly the tokens asked for
-            assert self.contents[block.block_id] == toks[2 * i: 2 * i + 2]
+        hits = self.bm.find_cached_prefix(_tokens(toks), len(toks), cache_salt=salt)
+        for i, block in enumerate(hits):  # a hit holds K/V of exactly this salt and prefix
+            assert self.contents[block.block_id] == [(salt, tuple(toks[: p + 1])) for p in (2 * i, 2 * i + 1)]
         seq, self.next_id = self.next_id, self.next_id + 1
         num_total = data.draw(st.integers(len(hits) * 2, len(toks)))
-        out = self.bm.allocate_slots(seq, num_total, tokens=_tokens(toks), cached_blocks=hits)
+        out = self.bm.allocate_slots(seq, num_total, tokens=_tokens(toks), cached_blocks=hits, cache_salt=salt)
         if out is None:
             assert not self.bm.has_seq(seq)
             return
         self.num_hits += len(hits)
         assert out == []
-        self.tokens[seq] = toks[:num_total]
+        self.tokens[seq], self.salts[seq] = toks[:num_total], salt
         self._write(seq, out, len(hits) * 2)
 
     @precondition(lambda self: self.tokens)
@@ -173,14 +322,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child, self.next_id = self.next_id, self.next_id + 1
         self.bm.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
+        self.tokens[child], self.salts[child] = list(self.tokens[parent]), self.salts[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.bm.free(seq)
-        del self.tokens[seq]
+        del self.tokens[seq], self.salts[seq]
 
     @rule()
     def reset(self):
@@ -193,11 +342,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for seq, toks in self.tokens.items():  # sharing and copy-on-write never corrupt a table
             table = bm.block_table(seq)
             assert bm.num_tokens(seq) == len(toks)
-            for i, block in enumerate(table):
-                want = toks[2 * i: 2 * i + 2]
-                assert self.contents[block][: len(want)] == want, (seq, i)
+            for pos in range(len(toks)):
+                assert self.contents[table[pos // 2]][pos % 2] == self._want(seq, toks, pos), (seq, pos)
         for block in bm._device.cached.values():  # a cached block holds its key's tokens
-            assert tuple(self.contents[block.block_id]) == block.block_key[1]
+            assert tuple(slot[1][-1] for slot in self.contents[block.block_id]) == block.block_key.token_ids
 
     def teardown(self):
         for seq in sorted(self.tokens):
