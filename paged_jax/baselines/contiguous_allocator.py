@@ -162,8 +162,9 @@ class ContiguousAllocator:
     num_blocks_cached = 0
     num_evictions = 0
 
-    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = ()) -> list:
-        return []  # no prefix caching
+    def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = (), *,
+                           cache_salt: str | None = None) -> list:
+        return []  # no prefix caching, so nothing a salt could separate
 
     def reset_prefix_cache(self) -> int:
         return 0
@@ -181,7 +182,8 @@ class ContiguousAllocator:
         return self._first_fit(self.reservation_blocks(final_num_tokens)) is not None
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None, cached_blocks=(),
-                       extra_keys: tuple = (), final_num_tokens: int | None = None) -> list | None:
+                       extra_keys: tuple = (), final_num_tokens: int | None = None,
+                       cache_salt: str | None = None) -> list | None:
         """Admit a new sequence (reserve its run first-fit; None if no gap fits) or grow one
         inside its run. Returns [] (no copy orders). Growing past the reservation, or
         shrinking, is a ValueError."""

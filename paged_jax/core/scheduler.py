@@ -163,9 +163,7 @@ class Scheduler:
         # 3. waiting sequences, FCFS, while blocks and budget last
         while self.waiting and not preempted and not self.swapped and self._has_room():
             seq = self.waiting[0]
-            # the salt only for a prefix-caching BlockManager (contiguous allocators take none)
-            salt = {"cache_salt": seq.cache_salt} if bm.enable_prefix_caching else {}
-            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens, **salt)
+            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt)
             num_cached = len(hits) * bm.block_size
             missing = seq.num_tokens_to_compute - num_cached
             num_new = self._fit_budget(missing)
@@ -173,7 +171,7 @@ class Scheduler:
             if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
                 break
             orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
-                                       final_num_tokens=final, **salt)
+                                       final_num_tokens=final, cache_salt=seq.cache_salt)
             assert orders == [], "a new sequence writes only into fresh blocks"
             self.waiting.popleft()
             self.prefix_cache_query_tokens += seq.num_tokens
