@@ -110,3 +110,15 @@ def test_host_side_imports_neither_jax_nor_numpy():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert len(modules) >= 12  # every core module was imported, not an empty list
+
+
+def test_readme_layout_names_every_package():
+    """The README's layout block lists exactly the layers (and nothing that no longer exists)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("  ") and
+              line.split() and line.split()[0].endswith("/")]
+    on_disk = sorted(p.name for p in (ROOT / "paged_jax").iterdir() if (p / "__init__.py").exists())
+    assert sorted(listed) == on_disk
+    assert listed == [name for name in LAYERS if name in listed], "the README lists the layers bottom to top"
+    assert sorted(on_disk) == sorted(LAYERS)
