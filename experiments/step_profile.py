@@ -56,7 +56,10 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     import jax.numpy as jnp
     import numpy as np
 
-    from paged_jax.model.llama import compute_logits, forward
+    from flax import nnx
+
+    from paged_jax.model.decoder import LlamaDecoder
+    from paged_jax.model.functional import split_model
     from paged_jax.worker.sampler import sample_tokens
     from pallas_kernels.ragged_paged_attention import (
         ragged_paged_attention,
@@ -67,7 +70,11 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, n), jnp.int32)
     positions = jnp.full((n,), context_len - 1, jnp.int32)
     identity = lambda q, k, v, cache, layer, meta: (q, cache)
-    layers = jax.jit(lambda p, i, s: forward(p, cfg, i, s, {}, None, identity)[0])
+    graphdef, _ = split_model(LlamaDecoder, cfg)
+    layers = jax.jit(lambda p, i, s: nnx.merge(graphdef, p)(i, s, {}, None, identity)[0])
+
+    def compute_logits(p, h):
+        return nnx.merge(graphdef, p).compute_logits(h)
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = 1 + n * blocks_per_seq
     kv_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

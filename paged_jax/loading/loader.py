@@ -25,12 +25,20 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
+    """What the engine serves. `model_class` is how a researcher's own Flax NNX decoder
+    plugs in without editing the package: a class taking (cfg, *, rngs, dtype=...) whose
+    nnx.Param state, as a pure dict, has exactly `params`' names and shapes (the runner
+    checks), e.g. `dataclasses.replace(loaded, model_class=MyDecoder, params=my_params)`
+    and then `LLM(that)`. None: the built-in `paged_jax.model.decoder.LlamaDecoder`.
+    Loaders never set it: files hold weights, not code."""
+
     config: ModelConfig
     params: Params
     tokenizer: Any  # transformers.PreTrainedTokenizerBase, or None (checkpoint saved without one)
     source: str  # the file or directory the weights came from
     kind: str  # "gguf" | "hf" | "checkpoint"
     load_seconds: float  # wall time of the load, for the record
+    model_class: type | None = None  # a paged_jax.model.decoder.LlamaDecoder-like nnx.Module class
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

@@ -1,1 +1,3 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) and its rotary embeddings."""
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as Flax NNX modules (decoder.py),
+its parameter layout (llama.py), rotary embeddings (rope.py) and the jit boundary between
+module and parameter pytree (functional.py)."""

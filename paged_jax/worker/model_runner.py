@@ -10,6 +10,12 @@ inside every step cost 36 ms at max_num_seqs 128, SmolLM2: `experiments/step_sha
 Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
 compiles afterwards.
 
+The model is a Flax NNX class (`paged_jax.model.decoder.LlamaDecoder` unless the loaded
+model names its own): the runner keeps only its static GraphDef and the parameter
+pytree, and the step rebuilds the module from the params it is passed
+(`paged_jax/model/functional.py`), so the jitted step is a pure function of
+(params, cache, batch).
+
 With a `mesh` (tensor_parallel_size > 1, `paged_jax/distributed/tensor_parallel.py`) the same step
 runs SPMD over the mesh: the cache is created sharded by KV head, attention runs per
 shard under shard_map, logits are gathered before sampling, and the step's in/out
@@ -25,6 +31,7 @@ from typing import Callable, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from paged_jax.attention.paged_attention import PagedMetadata, paged_attention
 from paged_jax.config.engine_config import EngineConfig
@@ -32,7 +39,9 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
-from paged_jax.model.llama import Params, compute_logits, forward
+from paged_jax.model.decoder import LlamaDecoder
+from paged_jax.model.functional import check_params, split_model
+from paged_jax.model.llama import Params
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.sampler import sample_tokens
@@ -52,11 +61,13 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
-                 num_host_blocks: int, mesh=None):
+                 num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder):
         if config.attention_backend not in ("pallas", "reference"):
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         self.model_config = model_config
         self.config = config
+        self.graphdef, param_shapes = split_model(model_class, model_config)
+        check_params(param_shapes, params, f"params for {model_class.__name__}")
         self.params = params
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
@@ -94,8 +105,9 @@ class ModelRunner:
                                       backend=self.config.attention_backend)
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
-        hidden, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache, meta, attention)
-        logits = compute_logits(params, hidden[batch.logits_indices])
+        model = nnx.merge(self.graphdef, params)
+        hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention)
+        logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
