@@ -366,6 +366,22 @@ def step_shape_costs(record: dict) -> list:
              "padded entries", " / ".join(f"{r['step_ms']:.0f} ms" for r in steps) + f"; {fig['copy_ms']:.0f} ms")]
 
 
+def host_time_vs_output_len(record: dict) -> list:
+    """Host milliseconds per decode step early and late in long outputs, per output mode."""
+    fig = record["figures"]
+    out = []
+    for final in (False, True):
+        rows = [r for r in fig["rows"] if r["final_outputs_only"] == final]
+        if not rows:
+            continue
+        mode = "final outputs only" if final else "per-step outputs"
+        out.append((f"host time per decode step, {fig['num_seqs']} sequences, {mode}, outputs "
+                    + " / ".join(str(r["output_len"]) for r in rows) + " tokens: first 64 -> last 64 steps",
+                    " / ".join(f"{r['host_ms_median_first_64']:.2f} -> {r['host_ms_median_last_64']:.2f} ms "
+                               f"(device {r['device_ms_median']:.0f} ms)" for r in rows)))
+    return out
+
+
 def generic(record: dict) -> list:
     """A record of a script no builder knows: its name, setting and first scalar figures."""
     fig = record.get("figures") or {}
@@ -381,7 +397,7 @@ BUILDERS = {
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
-    "step_shape_costs": step_shape_costs,
+    "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}

@@ -1,2 +1,3 @@
-"""Requests in, outputs out: LLMEngine (schedule, execute, update; tokenization, detokenization,
-stop strings and beam orchestration) and the offline LLM, plus engine statistics."""
+"""Requests in, outputs out: the engine core (scheduler, block manager, runner; token ids
+only), its front end (prompt processing, incremental detokenization, stop strings), the
+LLMEngine that joins them, the offline LLM, and engine statistics."""

@@ -32,9 +32,10 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a str, a list of str, or {"prompt_token_ids": [...]}
-        dicts); returns one RequestOutput per prompt, in input order. All prompts are
-        validated before any is queued, so a bad one leaves the engine untouched."""
+        """Generate for every prompt (a str, a list of str, or {"prompt_token_ids": [...]} or
+        {"prompt": str} dicts, either optionally with "cache_salt"); returns one RequestOutput
+        per prompt, in input order. All prompts are validated before any is queued, so a bad
+        one leaves the engine untouched."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -66,8 +67,7 @@ class LLM:
 
     def _run(self, prompts, params, desc: str, use_tqdm: bool) -> list[RequestOutput]:
         for prompt in prompts:  # validate everything first
-            _, ids = self.engine._tokenize(prompt)
-            self.engine._validate_prompt(ids)
+            self.engine.processor.process(prompt)
         ids = []
         for prompt, p in zip(prompts, params):
             request_id = f"llm-{self._counter}"

@@ -79,6 +79,16 @@ class EngineStats:
         self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
                               device_seconds))
 
+    def add_host_seconds(self, seconds: float) -> None:
+        """Host work of the last recorded step done after it returned (the front end
+        turning its tokens into outputs): counted as that step's host time."""
+        self.host_seconds += seconds
+        if self._waiting_at_schedule:
+            self.saturated_seconds += seconds
+        if self.step_log:
+            num_seqs, num_tokens, host, device = self.step_log[-1]
+            self.step_log[-1] = (num_seqs, num_tokens, host + seconds, device)
+
     def as_dict(self) -> dict:
         bm, steps = self._bm, max(self.num_steps, 1)
         return {

@@ -320,13 +320,13 @@ def test_fewer_devices_than_asked_says_how_many_and_how_to_force(tiny_llama):
 
 def test_kv_budget_is_per_device():
     """One budget of 64 blocks' worth at one device buys 2x / 4x the blocks at TP 2 / 4."""
-    from paged_jax.engine.llm_engine import _resolve
     from paged_jax.config.engine_config import EngineConfig
+    from paged_jax.engine.kv_sizing import resolve_config
     model = _tiny_model()
     # a block: 2 (K, V) x 2 layers x 8 tokens x 4 KV heads x 16 dims x 4 bytes = 8192 bytes
     budget = 64 * 8192
-    blocks = [_resolve(EngineConfig(block_size=8, kv_cache_memory_bytes=budget, tensor_parallel_size=tp),
-                       model).num_blocks for tp in (1, 2, 4)]
+    blocks = [resolve_config(EngineConfig(block_size=8, kv_cache_memory_bytes=budget, tensor_parallel_size=tp),
+                             model.config).num_blocks for tp in (1, 2, 4)]
     assert blocks == [64, 128, 256]
 
 

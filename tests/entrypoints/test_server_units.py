@@ -1,50 +1,76 @@
-"""Server pieces that need no engine: streaming text deltas and the engine flags."""
+"""Server pieces that need no engine: streaming text deltas and offsets, logprob bodies, the engine flags."""
 
 import dataclasses
+import json
 
 import pytest
 from absl import flags
 
 from paged_jax.entrypoints.engine_flags import define_engine_flags, engine_config_from_flags
 from paged_jax.config.engine_config import EngineConfig
-from paged_jax.entrypoints.openai.responses import chat_logprobs, completion_logprobs
-from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker, partial_stop_len
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
+from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.entrypoints.openai.responses import ResponseBuilder, chat_logprobs, completion_logprobs
+from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
 
 
-def test_partial_stop_len():
-    assert partial_stop_len("Hello wor", ("world",)) == 3  # "wor" may become "world"
-    assert partial_stop_len("Hello world", ("world",)) == 0  # a whole stop is not a proper prefix
-    assert partial_stop_len("abc", ("cd", "bcx")) == 2  # the longest over all stops: "bc"
-    assert partial_stop_len("abc", ("x",)) == 0  # one-character stops never need holding back
-    assert partial_stop_len("", ("ab",)) == 0
+def test_deltas_send_what_is_new_and_never_take_back():
+    t = TextDeltaTracker()
+    assert t.delta("Hi") == "Hi"
+    assert t.delta("Hi") == ""  # a step whose tokens added no text yet (held back by the engine)
+    assert t.delta("Hi there") == " there"
+    assert t.delta("Hi") == ""  # never expected (the engine's texts only grow): nothing is taken back
+    assert t.sent == "Hi there"
 
 
-def test_deltas_hold_back_unfinished_characters_and_stop_prefixes():
-    t = TextDeltaTracker(("STOP",))
-    assert t.delta("Hi", False) == "Hi"
-    assert t.delta("Hi \ufffd", False) == " "  # half of a multi-byte character: wait for the rest
-    assert t.delta("Hi \u00e9", False) == "\u00e9"
-    assert t.delta("Hi \u00e9 ST", False) == " "  # "ST" may start "STOP"
-    assert t.delta("Hi \u00e9 STA", False) == "STA"  # it did not
-    assert t.delta("Hi \u00e9 STA S", False) == " "
-    # the engine cut at the stop: the held "S" was never sent, so nothing is taken back
-    assert t.delta("Hi \u00e9 STA ", True) == ""
-    assert t.sent == "Hi \u00e9 STA "
+class _PieceTokenizer:
+    """Token id -> a fixed piece of text (no `tokenizers` backend: the detokenizer's window path)."""
+
+    PIECES = {5: "Hi", 6: " S", 7: "T", 8: "A", 9: "R", 10: "!", 11: "O", 12: "P"}
+
+    def decode(self, token_ids, skip_special_tokens=True, **kwargs):
+        return "".join(self.PIECES[t] for t in token_ids)
 
 
-def test_deltas_flush_everything_when_finished():
-    t = TextDeltaTracker(("xyz",))
-    assert t.delta("ab\ufffd", False) == "ab"
-    assert t.delta("ab\ufffdx", True) == "\ufffdx"  # finished: the text is final, even a lone U+FFFD
-    assert t.delta("ab\ufffdx", True) == ""
+def _stream(token_ids, stops):
+    """Feed one completion's tokens, one per step, through the engine's output processor
+    and a streaming completions ResponseBuilder; returns the chunks' bodies and the
+    non-streamed body of the final output."""
+    tokenizer = _PieceTokenizer()
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("e0", None, [1], SamplingParams(max_tokens=len(token_ids), stop=stops, logprobs=0))
+    builder = ResponseBuilder(chat=False, request_id="cmpl-1", model="m", engine_ids=["e0"], n=1,
+                              tokenizer=tokenizer, logprobs=0)  # as app.py builds it
+    bodies = []
+    for step, token in enumerate(token_ids):
+        last = step == len(token_ids) - 1
+        delta = CompletionDelta(0, [token], [-0.5], None, -0.5 * (step + 1), "length" if last else None)
+        [out] = processor.process([EngineCoreOutput("e0", [delta], last, float(step), 0.0, 0.0, 0)]).request_outputs
+        bodies += [json.loads(c.removeprefix("data: ")) for c in builder.chunks(out)]
+        if out.finished:
+            break
+    whole = ResponseBuilder(chat=False, request_id="cmpl-2", model="m", engine_ids=["e0"], n=1,
+                            tokenizer=tokenizer, logprobs=0).response([out])
+    return bodies, whole
 
 
-def test_deltas_concatenate_to_the_final_text():
-    final = "The answer is 42. Done"
-    t = TextDeltaTracker((". D", "is 4"))
-    sent = "".join(t.delta(final[:k], False) for k in range(len(final)))
-    assert final.startswith(sent)
-    assert sent + t.delta(final, True) == final
+@pytest.mark.parametrize("token_ids, final_text", [
+    ([5, 6, 7, 8, 9, 10], "Hi STAR!"),  # " S", " ST" are held back as a possible "STOP", then released
+    ([5, 6, 7, 11, 12, 10], "Hi "),  # ... and here it was one: the text is cut before it
+])
+def test_streamed_text_offsets_stay_right_while_text_is_held_back(token_ids, final_text):
+    bodies, whole = _stream(token_ids, ("STOP",))
+    choices = [b["choices"][0] for b in bodies]
+    assert "".join(c["text"] for c in choices) == final_text == whole.choices[0].text
+    assert any(c["logprobs"]["tokens"] and not c["text"] for c in choices)  # some text was held back
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+    pieces = [_PieceTokenizer.PIECES[t] for t in token_ids[:len(tokens)]]
+    assert tokens == pieces
+    # each token's offset is where its text starts among the completion's tokens, as in the whole response
+    assert offsets == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    assert offsets == whole.choices[0].logprobs.text_offset
 
 
 def test_every_engine_config_field_is_a_flag():

@@ -231,7 +231,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
                  for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
-                                  logprobs=body.logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
+                                  logprobs=body.logprobs, return_token_ids=body.return_token_ids)
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
 
@@ -248,7 +248,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params)]
         builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[group[0].request_id], n=params.n, tokenizer=engine.tokenizer,
-                                  logprobs=logprobs, stops=params.stop, return_token_ids=body.return_token_ids)
+                                  logprobs=logprobs, return_token_ids=body.return_token_ids)
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
 

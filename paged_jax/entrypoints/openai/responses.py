@@ -1,11 +1,15 @@
 """Engine outputs -> OpenAI response bodies and streaming chunks.
 
 An HTTP request with P prompts and n completions each is P engine requests; OpenAI's
-choice index is `prompt_index * n + completion.index`. Streams hold back text that may
-still change (text_delta.py) and send each new token's logprob with the chunk of the
-step that produced it. Top alternatives come from the engine's `top_logprobs` where its
-outputs have them; an engine without them gives the sampled token's logprob only, and
-then `top_logprobs` (asked for with 1) lists just the sampled token.
+choice index is `prompt_index * n + completion.index`. Streams send the new part of the
+text the engine shows (it holds back what may still change; text_delta.py) and each new
+token's logprob with the chunk of the step that produced it. A token's `text_offset` is
+where its text starts among the completion's tokens (the sum of the earlier tokens' text
+lengths), the same in a stream as in a whole response: it does not depend on how much
+text has been shown yet, which lags while a possible stop string is held back. Top
+alternatives come from the engine's `top_logprobs` where its outputs have them; an engine
+without them gives the sampled token's logprob only, and then `top_logprobs` (asked for
+with 1) lists just the sampled token.
 """
 
 from __future__ import annotations
@@ -73,16 +77,18 @@ class ResponseBuilder:
     """Builds one HTTP request's response, whole or as chunks."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, engine_ids: list[str], n: int, tokenizer,
-                 logprobs: int | None, stops: tuple[str, ...] | None, return_token_ids: bool = False):
+                 logprobs: int | None, return_token_ids: bool = False):
+        """The engine's texts already hold back a possible stop string's start, so each chunk
+        sends what is new in them."""
         self.chat, self.request_id, self.model, self.n = chat, request_id, model, n
         self.created = int(time.time())
         self._prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
         self._token_text = _TokenText(tokenizer)
         self.logprobs = logprobs  # None: off; k >= 0: the sampled token's logprob and k alternatives
-        self._stops = stops
         self.return_token_ids = return_token_ids
         self._trackers: dict[int, TextDeltaTracker] = {}
         self._num_sent_tokens: dict[int, int] = {}
+        self._token_text_len: dict[int, int] = {}  # per choice: text length of its tokens sent so far
         self._finished: set[int] = set()
 
     def index(self, request_id: str, completion: CompletionOutput) -> int:
@@ -139,14 +145,15 @@ class ResponseBuilder:
             i = self.index(out.request_id, c)
             if i in self._finished:
                 continue
-            tracker = self._trackers.setdefault(i, TextDeltaTracker(self._stops))
-            sent_before = len(tracker.sent)
-            text = tracker.delta(c.text, c.finished)
+            text = self._trackers.setdefault(i, TextDeltaTracker()).delta(c.text)
             start = self._num_sent_tokens.get(i, 0)
             new_tokens = len(c.token_ids) > start
-            lps = self._logprobs(c, start, sent_before) if new_tokens else None
+            offset = self._token_text_len.get(i, 0)
+            lps = self._logprobs(c, start, offset) if new_tokens else None
             ids = self._ids(c, start) if new_tokens else None
             self._num_sent_tokens[i] = len(c.token_ids)
+            if lps is not None and not self.chat:
+                self._token_text_len[i] = offset + sum(len(self._token_text(t)) for t in c.token_ids[start:])
             if not (text or c.finished or lps is not None or ids is not None):
                 continue
             if c.finished:

@@ -1,0 +1,264 @@
+"""EngineCore: token ids in, token-level outputs out, one scheduler step at a time.
+
+The part of the engine that owns the KV cache: it sizes it, holds the scheduler, block
+manager, runner and statistics, and each `step` schedules, executes and updates. It knows
+token ids only. Prompts, text and stop strings are the front end's (processor.py,
+output_processor.py), as in vLLM's v1 engine core, so the core runs (and is tested and
+simulated) without a tokenizer and a step's host work does not depend on how much text
+its sequences have produced. Stop tokens and length end sequences here; a stop string,
+found by the front end, ends one through `finish_sequence`.
+
+A request with `SamplingParams(n > 1)` starts as one sequence whose other completions are
+forked from it after the prompt (sharing its blocks); a request with `BeamSearchParams`
+keeps its beams as sequences that fork and finish as the host-side beam search picks the
+next beams each step (beam_orchestration.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from paged_jax.baselines.contiguous_allocator import ContiguousAllocator
+from paged_jax.config.engine_config import EngineConfig
+from paged_jax.config.model_config import ModelConfig
+from paged_jax.core.beam_search import BeamSearchParams, BeamSearchState, num_candidates
+from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.sequence import Sequence, SequenceStatus
+from paged_jax.engine.beam_orchestration import advance_beams, beam_results
+from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
+from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
+from paged_jax.engine.processor import validate_prompt_token_ids
+from paged_jax.engine.stats import EngineStats
+from paged_jax.worker.kv_cache import bytes_per_block
+from paged_jax.worker.model_runner import ModelRunner
+
+_GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
+
+
+def completion_seed(request_seed: int, index: int) -> int:
+    """The seed of completion `index` of a request: its stream depends on nothing else."""
+    return (request_seed + index * _GOLDEN) % 2**32
+
+
+@dataclasses.dataclass
+class _CoreRequest:
+    request_id: str
+    params: SamplingParams | BeamSearchParams
+    seqs: list[Sequence]  # sampling: the n completions; beam search: the live beams, in beam order
+    stop_ids: frozenset[int]
+    arrival_time: float
+    root: Sequence  # the first sequence: its prefix-cache hits are the request's num_cached_tokens
+    beam: BeamSearchState | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done or all(s.status.finished for s in self.seqs)
+        return all(s.status.finished for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, params, config: EngineConfig, *, runner_factory=ModelRunner,
+                 clock=time.monotonic, mesh=None):
+        """`params`: the model weights (None for a model-free runner); `mesh`: the device
+        mesh the weights are sharded over, for tensor parallelism. `runner_factory`
+        (ModelRunner's signature) and `clock` (seconds) are injection points: the simulator
+        passes a model-free runner and a virtual clock."""
+        self.model_config = model_config
+        self.config = resolve_config(config, model_config)
+        config = self.config
+        block_bytes = bytes_per_block(model_config, config.block_size, config.dtype)
+        num_host_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
+        if config.kv_allocator == "paged":
+            self.block_manager = BlockManager(config.num_blocks, config.block_size, num_host_blocks=num_host_blocks,
+                                              watermark=config.watermark,
+                                              enable_prefix_caching=config.enable_prefix_caching)
+        else:  # a contiguous baseline behind the same interface (validated: recompute, no prefix caching)
+            self.block_manager = ContiguousAllocator(config.num_blocks, config.block_size, policy=config.kv_allocator,
+                                                     max_model_len=config.max_model_len)
+        check_capacity(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = runner_factory(model_config, params, config, num_blocks=config.num_blocks,
+                                     num_host_blocks=num_host_blocks, **({"mesh": mesh} if mesh else {}))
+        self._clock = clock
+        self.runner.warm_up()
+        self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
+        self._requests: dict[str, _CoreRequest] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._rng = np.random.default_rng(config.seed)
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | BeamSearchParams | None = None, *, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.config.kv_allocator != "paged" and (isinstance(params, BeamSearchParams) or params.n > 1):
+            raise ValueError(f"kv_allocator={self.config.kv_allocator!r} is a baseline without block sharing: "
+                             "it serves n=1 sampling only (no n > 1, no beam search)")
+        token_ids = [int(t) for t in prompt_token_ids]
+        validate_prompt_token_ids(token_ids, self.config.max_model_len, self.model_config.vocab_size)
+        now = self._clock() if arrival_time is None else arrival_time
+        if isinstance(params, BeamSearchParams):
+            request = self._beam_request(request_id, token_ids, params, now, cache_salt)
+        else:
+            request = self._sampling_request(request_id, token_ids, params, now, cache_salt)
+        self._requests[request_id] = request
+        for seq in request.seqs:
+            self._seqs[seq.seq_id] = seq
+        self.scheduler.add(request.seqs[0])
+
+    def _sampling_request(self, request_id, token_ids, params: SamplingParams, now, cache_salt) -> _CoreRequest:
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.config.max_logprobs}")
+        check_group_fits(self.config, self.block_manager, params.n, len(token_ids) + params.max_tokens)
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        seqs = [self._new_seq(request_id, index, token_ids, params, now, completion_seed(base_seed, index),
+                              cache_salt) for index in range(params.n)]
+        seqs[0].pending_forks = seqs[1:]  # forked once the prompt (but its last token) is computed
+        return _CoreRequest(request_id, params, seqs, params.all_stop_token_ids(self.model_config.eos_token_ids),
+                            now, root=seqs[0])
+
+    def _beam_request(self, request_id, token_ids, params: BeamSearchParams, now, cache_salt) -> _CoreRequest:
+        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        needed = num_candidates(params.beam_width, len(eos))
+        if needed > self.runner.num_top_logprobs:
+            raise ValueError(f"beam_width={params.beam_width} needs the top {needed} tokens per beam; the engine "
+                             f"returns {self.runner.num_top_logprobs} (raise max_logprobs)")
+        check_group_fits(self.config, self.block_manager, params.beam_width, len(token_ids) + params.max_tokens)
+        max_new = min(params.max_tokens, self.config.max_model_len - len(token_ids))
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)  # the sampled token is unused
+        seq = self._new_seq(request_id, 0, token_ids, greedy, now, 0, cache_salt)
+        return _CoreRequest(request_id, params, [seq], eos, now, root=seq, beam=BeamSearchState(params, eos, max_new))
+
+    def _new_seq(self, request_id, index, token_ids, params, now, seed, cache_salt) -> Sequence:
+        seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
+                       prompt_token_ids=list(token_ids), sampling_params=params, arrival_time=now, seed=seed,
+                       cache_salt=cache_salt)
+        self._next_seq_id += 1
+        return seq
+
+    def _fork_of(self, parent: Sequence) -> Sequence:
+        return self._new_seq(parent.request_id, 0, parent.prompt_token_ids, parent.sampling_params,
+                             parent.arrival_time, 0, parent.cache_salt)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks at once (unknown or finished ids: no-op)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._seqs.pop(seq.seq_id, None)
+
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """End completion `index` of a request as stopped (the front end found stop string
+        `stop_reason` in its text) and free its blocks now; unknown or finished: no-op."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.index == index and not seq.status.finished:
+                seq.stop_reason, seq.finish_time = stop_reason, self._clock()
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                self._seqs.pop(seq.seq_id, None)
+        if request.finished:
+            self._drop(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (e.g. between benchmark runs); returns how many."""
+        return self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        return self.stats_tracker.as_dict()
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run one jitted step, and return the requests that moved or finished
+        (beam searches: only once done)."""
+        host_start = time.perf_counter()
+        output = self.scheduler.schedule()
+        self.stats_tracker.record_schedule(output)
+        if output.is_empty:
+            if self.scheduler.has_unfinished():  # a step that schedules nothing changes nothing
+                raise RuntimeError(f"the scheduler cannot make progress: {self.stats()}")
+            return []
+        device_before = self.runner.device_seconds
+        result = self.runner.execute(output, self._seqs)
+        now = self._clock()
+        moved: dict[str, list[CompletionDelta]] = {}
+        for row, seq in self.scheduler.update(output, self._seqs):
+            request = self._requests[seq.request_id]
+            deltas = moved.setdefault(seq.request_id, [])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.beam is not None:
+                seq.beam_candidates = list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))
+            else:
+                deltas.append(self._append_token(request, seq, result, row, now))
+        outputs = []
+        for request_id, deltas in moved.items():
+            request = self._requests[request_id]
+            if request.beam is not None:
+                if all(s.beam_candidates is not None for s in request.seqs):
+                    self._advance_beams(request)
+                if not request.finished:
+                    continue  # beams are reported once the search is done
+                deltas = beam_results(request.beam, request.stop_ids)
+            outputs.append(EngineCoreOutput(request_id, deltas, request.finished, now, request.arrival_time,
+                                            request.first_token_time, request.root.num_cached_tokens))
+            if request.finished:
+                self._drop(request)
+        self.stats_tracker.record_step(output, time.perf_counter() - host_start,
+                                       self.runner.device_seconds - device_before)
+        return outputs
+
+    def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
+        token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        top = None
+        if request.params.logprobs:
+            top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
+        status = None
+        if token in request.stop_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif (len(seq.output_token_ids) >= request.params.max_tokens
+              or seq.num_tokens >= self.config.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq, status)
+        return CompletionDelta(seq.index, [token], [logprob], top, seq.cumulative_logprob,
+                               status.value if status is not None else None, seq.stop_reason)
+
+    def _advance_beams(self, request: _CoreRequest) -> None:
+        step = advance_beams(request.beam, request.seqs, self.scheduler, self._fork_of)
+        for seq in step.forked:
+            self._seqs[seq.seq_id] = seq
+        for seq in step.dropped:
+            self._seqs.pop(seq.seq_id, None)
+        request.seqs = step.beams
+
+    def _drop(self, request: _CoreRequest) -> None:
+        del self._requests[request.request_id]
+        for seq in request.seqs:
+            self._seqs.pop(seq.seq_id, None)

@@ -1,0 +1,60 @@
+"""How big the KV cache is, and whether the requests an engine accepts can fit in it.
+
+Settled once when the engine core starts (what was left open in EngineConfig, from the
+model and the platform) and checked per request, so that nothing is accepted that could
+never run to completion: a request whose sequences cannot all be in the cache at once
+would preempt itself forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from paged_jax.attention.backend import auto_attention_backend
+from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from paged_jax.config.model_config import ModelConfig
+from paged_jax.worker.kv_cache import bytes_per_block
+
+
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """Fill what was left open from the model and the platform: max_model_len,
+    num_blocks, and the attention backend behind "auto"."""
+    model_limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        num_blocks = budget // bytes_per_block(model_config, config.block_size, config.dtype,
+                                               config.tensor_parallel_size)  # the budget is per device
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = auto_attention_backend(jax.default_backend())
+    return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
+                               attention_backend=backend)
+
+
+def check_capacity(config: EngineConfig, bm) -> None:
+    """The cache must hold one max_model_len sequence (beyond the admission watermark),
+    or a long request could wait forever."""
+    fits_blocks = bm.num_usable_blocks - bm.watermark_blocks
+    if bm.num_blocks_needed(config.max_model_len) > fits_blocks:
+        raise ValueError(
+            f"the KV cache ({config.num_blocks} blocks of {config.block_size} tokens, {bm.watermark_blocks} kept "
+            f"free as watermark) cannot hold one sequence of max_model_len={config.max_model_len} tokens; the "
+            f"largest max_model_len that fits is {max(fits_blocks, 0) * config.block_size} (or raise "
+            "num_blocks / kv_cache_memory_bytes)")
+
+
+def check_group_fits(config: EngineConfig, bm, num_seqs: int, num_tokens: int) -> None:
+    """A request's sequences must fit the cache together with nothing shared, or it
+    could never finish (its own sequences would preempt each other forever)."""
+    tokens = min(num_tokens, config.max_model_len)
+    needed = num_seqs * bm.num_blocks_needed(tokens)
+    if needed > bm.num_usable_blocks - bm.watermark_blocks:
+        raise ValueError(f"{num_seqs} sequences of up to {tokens} tokens "
+                         f"need {needed} KV blocks; the cache has {bm.num_usable_blocks - bm.watermark_blocks}"
+                         " (lower n / beam_width / max_tokens, or raise num_blocks)")

@@ -1,0 +1,84 @@
+"""Prompts in, validated token ids out: the front end's half of accepting a request.
+
+A prompt is text, a list of token ids, {"prompt_token_ids": [...]} or {"prompt": text};
+either dict may add "cache_salt" (requests with different salts never share prefix-cache
+blocks). Everything is checked here, before the engine core queues anything, so a bad
+prompt is a ValueError for its caller and never a failure inside a step. The token-id
+checks are a plain function because the core repeats them for callers that hand it ids
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence as Seq
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedPrompt:
+    text: str | None  # the prompt text, when it was given as text
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+def validate_prompt_token_ids(token_ids: Seq[int], max_model_len: int, vocab_size: int) -> None:
+    """A prompt must leave room for one generated token and name only vocabulary ids."""
+    if not token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}, so a prompt "
+                         f"may have at most {max_model_len - 1} tokens (room for one generated token)")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+class Processor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+        """`tokenizer`: anything with `encode(text) -> ids` (None: token-id prompts only)."""
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def process(self, prompt) -> ProcessedPrompt:
+        """The prompt's text, token ids and cache salt; raises ValueError on bad input."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            prompt, cache_salt = self._unpack(prompt)
+        text, token_ids = self._tokenize(prompt)
+        validate_prompt_token_ids(token_ids, self.max_model_len, self.vocab_size)
+        return ProcessedPrompt(text, token_ids, cache_salt)
+
+    @staticmethod
+    def _unpack(prompt: dict):
+        keys = set(prompt)
+        if not ({"prompt_token_ids"} <= keys <= {"prompt_token_ids", "cache_salt"}
+                or {"prompt"} <= keys <= {"prompt", "cache_salt"}):
+            raise ValueError("a dict prompt must be {'prompt_token_ids': [...]} or {'prompt': str}, optionally "
+                             f"with 'cache_salt': str; got keys {sorted(prompt, key=str)}")
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"{{'prompt': ...}} must hold a str, got {type(prompt['prompt']).__name__}")
+            return prompt["prompt"], salt
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str):  # text here would otherwise be tokenized as if it were {'prompt': ...}
+            raise ValueError("prompt_token_ids must be a list of token ids, got a str (use {'prompt': text})")
+        return ids, salt
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
+                raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}")

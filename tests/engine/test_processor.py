@@ -1,0 +1,58 @@
+"""The front end's prompt processing: every accepted prompt form, and what is refused."""
+
+import numpy as np
+import pytest
+
+from paged_jax.engine.processor import ProcessedPrompt, Processor
+
+
+class _Chars:
+    """A stand-in tokenizer: one token per character."""
+
+    def encode(self, text):
+        return [ord(ch) for ch in text]
+
+
+@pytest.fixture
+def processor():
+    return Processor(_Chars(), max_model_len=16, vocab_size=200)
+
+
+@pytest.mark.parametrize("prompt, want", [
+    ("hi", ProcessedPrompt("hi", [104, 105])),
+    ([5, 6], ProcessedPrompt(None, [5, 6])),
+    ((5, np.int32(6)), ProcessedPrompt(None, [5, 6])),
+    (np.array([5, 6]), ProcessedPrompt(None, [5, 6])),
+    ({"prompt_token_ids": [5, 6]}, ProcessedPrompt(None, [5, 6])),
+    ({"prompt_token_ids": [5, 6], "cache_salt": "s"}, ProcessedPrompt(None, [5, 6], "s")),
+    ({"prompt": "hi"}, ProcessedPrompt("hi", [104, 105])),
+    ({"prompt": "hi", "cache_salt": "tenant"}, ProcessedPrompt("hi", [104, 105], "tenant")),
+])
+def test_accepted_prompts(processor, prompt, want):
+    got = processor.process(prompt)
+    assert got == want and all(type(t) is int for t in got.token_ids)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt_token_ids": [5], "cache_salt": ""}, "cache_salt must be a non-empty str"),
+    ({"prompt": "hi", "cache_salt": 7}, "cache_salt must be a non-empty str"),
+    ({"prompt": 5}, "must hold a str"),
+    ({"prompt_token_ids": "hi"}, "prompt_token_ids must be a list"),
+    ({"prompt": "hi", "prompt_token_ids": [5]}, "a dict prompt must be"),
+    ({"cache_salt": "s"}, "a dict prompt must be"),
+    ({"prompt_token_ids": [5], "salt": "s"}, "prompt_token_ids"),
+    ({"prompt": "bad \ud800"}, "not valid Unicode"),
+    ({"prompt": "x" * 16}, "at most 15 tokens"),
+    ({"prompt_token_ids": []}, "empty"),
+    ([5, 200], "outside the vocabulary"),
+    (5, "a prompt must be"),
+])
+def test_refused_prompts(processor, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        processor.process(prompt)
+
+
+def test_text_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="no tokenizer"):
+        Processor(None, 16, 200).process({"prompt": "hi"})
+    assert Processor(None, 16, 200).process([5]).token_ids == [5]
