@@ -266,6 +266,7 @@ def smollm2_both(smollm2_path, smollm2_hf):
     return smollm2_hf, cfg, params, load_gguf_tokenizer(smollm2_path)
 
 
+@pytest.mark.slow  # SmolLM2 in transformers and in the engine; the tiny-model cases cover the rules
 def test_matches_transformers_on_smollm2(smollm2_both):
     hf, cfg, params, tok = smollm2_both
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

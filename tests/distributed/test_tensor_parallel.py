@@ -340,15 +340,18 @@ def _assert_tiny_equal(outputs):
         assert_greedy_match(prompt, want, got, logits)
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 @pytest.mark.parametrize("run", ["2", "4", "4-reference", "2-swap"])
 def test_tiny_greedy_at_tp_equals_tp1(run):
     _assert_tiny_equal(tiny_results()["outputs"][run])
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 def test_tiny_swap_run_really_preempted():
     assert tiny_results()["swap_preemptions"] > 0
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 def test_tiny_shardings_and_memory_per_device():
     r = tiny_results()
     fp = r["footprint"]
@@ -366,6 +369,7 @@ def test_tiny_shardings_and_memory_per_device():
         assert fp[str(tp)]["compilations_after_generate"] == 2  # the two buckets, nothing after warm-up
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 def test_tiny_compiled_step_has_megatron_collectives_and_no_cache_gather():
     cfg = _tiny_model().config
     _check_collectives(tiny_results()["hlo"], layers=cfg.num_layers, num_blocks=64, block_size=8,
@@ -373,6 +377,7 @@ def test_tiny_compiled_step_has_megatron_collectives_and_no_cache_gather():
                        hidden=cfg.hidden_size, vocab=cfg.vocab_size)
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 def test_tiny_errors_in_a_four_device_process():
     errors = tiny_results()["errors"]
     assert "tensor_parallel_size=4 must divide" in errors["kv_heads"] and "num_kv_heads=2" in errors["kv_heads"]
@@ -380,6 +385,7 @@ def test_tiny_errors_in_a_four_device_process():
     assert "num_heads=9 and num_kv_heads=3 do not divide by 2" in errors["gguf_heads"]
 
 
+@pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
 def test_tiny_checkpoint_restores_shard_by_shard():
     ckpt = tiny_results()["checkpoint"]
     assert ckpt["equal"] and ckpt["wq_spec"] == [None, None, "tp"]

@@ -92,6 +92,7 @@ def test_engine_beams_under_preemption(tiny, mode):
     assert stats["num_preemptions"] > 0, stats
 
 
+@pytest.mark.slow  # SmolLM2 buckets compiled for one more engine; the tiny-model cases cover the engine
 def test_llm_beam_search_on_smollm2(smollm2_hf):
     """SmolLM2 through LLM.beam_search (text in, beams with text out) against transformers
     loading the same GGUF."""

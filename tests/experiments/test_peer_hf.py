@@ -38,6 +38,7 @@ def _requests():
     return [Request(tuple(torch.randint(3, 256, (n,), generator=gen).tolist()), m, 0.0) for n, m in SHAPES]
 
 
+@pytest.mark.slow  # HF generate and the engine on the same trace
 def test_static_accounting_and_greedy_parity(tiny):
     model, loaded = tiny
     requests = _requests()
