@@ -313,7 +313,7 @@ def calibrate_step_time(record: dict) -> list:
         fit, holdout = {**fit, **chosen["fit_error"]}, {**holdout, **chosen["holdout_error"]}
     return [((f"step-time model of the simulator (intercept + per token + per sequence + per context token), fitted "
              f"on {fit['num_steps']} engine steps of a {workload_label(fit.get('workload'))} trace, "
-             f"{m.get('source') or 'unknown source'}; error on {holdout['num_steps']} held-out steps "
+             f"{model_label(m.get('source'))}; error on {holdout['num_steps']} held-out steps "
              f"({workload_label(holdout.get('workload'))})"),
              (f"{m['intercept_s'] * 1e3:.2f} ms + {m['per_token_s'] * 1e3:.3f} ms/token + {m['per_seq_s'] * 1e3:.3f} "
              f"ms/seq + {m['per_context_token_s'] * 1e6:.3f} us/context token; held-out relative error mean "
