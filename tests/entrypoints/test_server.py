@@ -185,25 +185,23 @@ def test_stop_strings_cut_and_are_never_streamed(live_server, stream):
     want = live_server.offline["stop"].outputs[0]
     assert want.finish_reason == "stop" and want.stop_reason in STOPS
     client = live_server.openai()
-    kwargs = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=16, temperature=0, stop=list(STOPS))
-    if stream:
-        choices, _ = collect_stream(client.completions.create(stream=True, **kwargs), chat=False)
-        [(text, _, reason)] = choices.values()
-    else:
+
+    def complete(**kwargs) -> tuple[str, str]:
+        """(text, finish_reason) of one completion, streamed or whole."""
+        kwargs = dict(model=MODEL, prompt=STOP_PROMPT, temperature=0, **kwargs)
+        if stream:
+            choices, _ = collect_stream(client.completions.create(stream=True, **kwargs), chat=False)
+            [(text, _, reason)] = choices.values()
+            return text, reason
         c = client.completions.create(**kwargs).choices[0]
-        text, reason = c.text, c.finish_reason
+        return c.text, c.finish_reason
+
+    text, reason = complete(max_tokens=16, stop=list(STOPS))
     assert (text, reason) == (want.text, "stop")
     assert not any(s in text for s in STOPS)
     # a tail held back as a possible stop (" Paris" could start " Paris is") is sent when the
     # completion ends for another reason
-    kwargs.update(max_tokens=1, stop=[" Paris is great"])
-    if stream:
-        choices, _ = collect_stream(client.completions.create(stream=True, **kwargs), chat=False)
-        [(text, _, reason)] = choices.values()
-    else:
-        c = client.completions.create(**kwargs).choices[0]
-        text, reason = c.text, c.finish_reason
-    assert (text, reason) == (" Paris", "length")
+    assert complete(max_tokens=1, stop=[" Paris is great"]) == (" Paris", "length")
 
 
 def test_logprobs(live_server):
