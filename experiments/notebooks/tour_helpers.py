@@ -5,8 +5,9 @@ short. They only read: block tables and token counts come from the block manager
 public queries, which tables hold which block from the device-resident (running)
 sequences, so the "holders" of a block are its reference count by the block manager's
 invariant (ref_count == tables holding it). The one exception is
-`step_capturing_batch`, which wraps `runner.execute` for a single step to keep a copy of
-the padded batch that step sent to the device, and unwraps it again.
+`step_capturing_batch`, which wraps `runner.execute` and `runner.run_batch` for a single
+step to keep the scheduler output and the padded batch that step sent to the device, and
+unwraps them again.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import collections
 import dataclasses
 
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.worker.batch_inputs import BatchInputs, prepare_batch
+from paged_jax.worker.batch_inputs import BatchInputs
 
 
 def running_seqs(engine, request_id: str) -> list:
@@ -66,25 +67,24 @@ def pool_summary(engine) -> dict:
 
 
 def step_capturing_batch(engine) -> tuple:
-    """Run one engine step and return (scheduler output, the padded BatchInputs it was
-    turned into, the step's RequestOutputs). The batch is rebuilt with the runner's own
-    settings by the same `prepare_batch` call the runner makes, from the same inputs."""
+    """Run one engine step and return (scheduler output, the padded BatchInputs the runner
+    turned it into and ran, the step's RequestOutputs)."""
     runner, captured = engine.runner, {}
-    original = runner.execute
+    execute, run_batch = runner.execute, runner.run_batch
 
-    def execute(output, seqs):
+    def capture_output(output, seqs):
         captured["output"] = output
-        captured["batch"] = prepare_batch(
-            output, seqs, block_size=runner.config.block_size, num_blocks=runner.num_blocks,
-            max_blocks_per_seq=runner.max_blocks_per_seq, seq_buckets=runner.config.seq_buckets,
-            token_buckets=runner.config.token_buckets, max_copies=runner.max_copies)
-        return original(output, seqs)
+        return execute(output, seqs)
 
-    runner.execute = execute
+    def capture_batch(batch):
+        captured["batch"] = batch
+        return run_batch(batch)
+
+    runner.execute, runner.run_batch = capture_output, capture_batch
     try:
         outputs = engine.step()
     finally:
-        del runner.execute  # back to the class's method
+        del runner.execute, runner.run_batch  # back to the class's methods
     return captured["output"], captured["batch"], outputs
 
 

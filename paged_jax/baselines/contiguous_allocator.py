@@ -40,12 +40,9 @@ serves any request.
 
 from __future__ import annotations
 
+from paged_jax.core.block_pool import check_int
+
 CONTIGUOUS_POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class ContiguousAllocator:
@@ -58,9 +55,9 @@ class ContiguousAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, policy: str, max_model_len: int) -> None:
-        _check_int("num_blocks", num_blocks, 2)
-        _check_int("block_size", block_size, 1)
-        _check_int("max_model_len", max_model_len, 1)
+        check_int("num_blocks", num_blocks, 2)
+        check_int("block_size", block_size, 1)
+        check_int("max_model_len", max_model_len, 1)
         if policy not in CONTIGUOUS_POLICIES:
             raise ValueError(f"policy must be one of {CONTIGUOUS_POLICIES}, got {policy!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -70,6 +67,7 @@ class ContiguousAllocator:
         self._runs: dict[int, tuple[int, int]] = {}  # seq id -> (first block, blocks reserved)
         self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
         self._final: dict[int, int] = {}  # seq id -> final length (capped)
+        self._reported: dict[int, int] = {}  # seq id -> table length at its last table_update
 
     # ------------------------------------------------------------------ sizes
 
@@ -86,12 +84,12 @@ class ContiguousAllocator:
         return 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         return -(-num_tokens // self.block_size)
 
     def final_length(self, final_num_tokens: int) -> int:
         """The final length the reservation is sized for: capped at max_model_len."""
-        _check_int("final_num_tokens", final_num_tokens, 1)
+        check_int("final_num_tokens", final_num_tokens, 1)
         return min(final_num_tokens, self.max_model_len)
 
     def reservation_tokens(self, final_num_tokens: int) -> int:
@@ -145,6 +143,15 @@ class ContiguousAllocator:
         start, _ = self._runs[seq_id]
         return list(range(start, start + self.num_blocks_needed(self._num_tokens[seq_id])))
 
+    def table_update(self, seq_id: int) -> tuple[int, tuple[int, ...]]:
+        """BlockManager.table_update: a table only grows along its run, so the update is
+        the blocks added since the last call (all of them on the first)."""
+        self._require(seq_id)
+        start, needed = self._runs[seq_id][0], self.num_blocks_needed(self._num_tokens[seq_id])
+        k = self._reported.get(seq_id, 0)
+        self._reported[seq_id] = needed
+        return k, tuple(range(start + k, start + needed))
+
     def num_tokens(self, seq_id: int) -> int:
         self._require(seq_id)
         return self._num_tokens[seq_id]
@@ -187,7 +194,7 @@ class ContiguousAllocator:
         """Admit a new sequence (reserve its run first-fit; None if no gap fits) or grow one
         inside its run. Returns [] (no copy orders). Growing past the reservation, or
         shrinking, is a ValueError."""
-        _check_int("num_total_tokens", num_total_tokens, 0)
+        check_int("num_total_tokens", num_total_tokens, 0)
         if cached_blocks:
             raise ValueError("contiguous allocators have no prefix cache")
         if seq_id not in self._runs:
@@ -215,6 +222,7 @@ class ContiguousAllocator:
     def free(self, seq_id: int) -> None:
         self._require(seq_id)
         del self._runs[seq_id], self._num_tokens[seq_id], self._final[seq_id]
+        self._reported.pop(seq_id, None)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError(f"{self.policy} is a baseline without block sharing: no fork (n > 1, beam search)")

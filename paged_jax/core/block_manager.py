@@ -25,13 +25,8 @@ sequence it has already grown nor swaps in and out in the same step.
 from __future__ import annotations
 
 from paged_jax.core.block_manager_invariants import broken_invariants
-from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+from paged_jax.core.block_pool import BlockPool, KVCacheBlock, check_int
 from paged_jax.core.prefix_cache import BlockKey, check_salt, find_prefix, register_full_blocks
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class BlockManager:
@@ -47,9 +42,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
-        _check_int("num_blocks", num_blocks, 2)  # the null block plus at least one usable
-        _check_int("block_size", block_size, 1)
-        _check_int("num_host_blocks", num_host_blocks, 0)
+        check_int("num_blocks", num_blocks, 2)  # the null block plus at least one usable
+        check_int("block_size", block_size, 1)
+        check_int("num_host_blocks", num_host_blocks, 0)
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) \
                 or not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
@@ -70,6 +65,7 @@ class BlockManager:
         self._keys: dict[int, list[BlockKey]] = {}
         self._extra_keys: dict[int, tuple] = {}  # seq id -> extra keys of every block (e.g. an adapter)
         self._salts: dict[int, str] = {}  # seq id -> cache_salt, in its first block's key
+        self._changed: dict[int, int] = {}  # seq id -> first table entry changed since table_update
 
     # ------------------------------------------------------------------ queries
 
@@ -92,7 +88,7 @@ class BlockManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         return -(-num_tokens // self.block_size)
 
     def has_seq(self, seq_id: int) -> bool:
@@ -105,6 +101,17 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of the sequence, in logical order (host ids if swapped)."""
         return [b.block_id for b in self._require(seq_id)]
+
+    def table_update(self, seq_id: int) -> tuple[int, tuple[int, ...]]:
+        """`(k, ids)`: the table is its first k entries at this sequence's last call, then
+        `ids` (k = 0 at the first call and after a swap rebuilt it). A runner keeping
+        tables between steps needs only this: mostly `(len(table), ())`, O(1)."""
+        table = self._require(seq_id)
+        k = self._changed.pop(seq_id, len(table))
+        return k, tuple(b.block_id for b in table[k:])
+
+    def _mark(self, seq_id: int, index: int) -> None:
+        self._changed[seq_id] = min(self._changed.get(seq_id, index), index)
 
     def num_tokens(self, seq_id: int) -> int:
         self._require(seq_id)
@@ -187,7 +194,7 @@ class BlockManager:
         new, writers = 0, {}  # id(shared partly full block) -> [block, tables writing into it]
         for seq_id, target in targets.items():
             table, current = self._require(seq_id), self._num_tokens[seq_id]
-            _check_int(f"target of sequence {seq_id}", target, current)
+            check_int(f"target of sequence {seq_id}", target, current)
             new += self.num_blocks_needed(target) - len(table)
             if target > current and current % self.block_size and table[-1].ref_count > 1:
                 writers.setdefault(id(table[-1]), [table[-1], 0])[1] += 1
@@ -226,8 +233,9 @@ class BlockManager:
                     if keys is None or len(keys) < num_total_tokens // self.block_size:
                         self._cache_full_blocks(seq_id, tokens)
                 return []
-        _check_int("num_total_tokens", num_total_tokens, 0)
+        check_int("num_total_tokens", num_total_tokens, 0)
         check_salt(cache_salt)
+        is_new = seq_id not in self._tables
         if cached_blocks:
             if seq_id in self._tables:
                 raise ValueError(f"cached blocks can only start a new sequence; {seq_id} exists")
@@ -258,6 +266,8 @@ class BlockManager:
         if num_new + copy_on_write > self.num_free_blocks:
             return None
         copies: list[tuple[int, int]] = []
+        if is_new or copy_on_write or num_new:
+            self._mark(seq_id, 0 if is_new else len(table) - copy_on_write)
         if copy_on_write:
             shared = table[-1]
             (private,) = self._device.get_new_blocks(1)
@@ -284,6 +294,7 @@ class BlockManager:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
         self._device.incr_ref(parent)
         self._tables[child_id] = list(parent)
+        self._mark(child_id, 0)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         if parent_id in self._keys:
             self._keys[child_id] = list(self._keys[parent_id])
@@ -306,6 +317,7 @@ class BlockManager:
         self._keys.pop(seq_id, None)
         self._extra_keys.pop(seq_id, None)
         self._salts.pop(seq_id, None)
+        self._changed.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 
@@ -357,6 +369,7 @@ class BlockManager:
         for seq_id in seq_ids:
             old = self._tables[seq_id]
             self._tables[seq_id] = [mapping[id(b)] for b in old]
+            self._mark(seq_id, 0)
             src.free_blocks(reversed(old))
             if to_host:
                 self._swapped.add(seq_id)

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 
 from paged_jax.core.prefix_cache import BlockKey
 
+
+def check_int(name: str, value, minimum: int) -> None:
+    """Allocator arguments are plain ints (not bools) of at least `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
 NULL_BLOCK_ID = 0
 
 

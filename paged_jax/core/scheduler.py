@@ -53,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0  # sequences preempted (a group counts each member)
         self.prefix_cache_query_tokens = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in cached blocks
+        self._finished_ids: list[int] = []  # finished since the last schedule(): the runner drops their tables
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -81,6 +82,7 @@ class Scheduler:
                     break
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
+            self._finished_ids.append(seq.seq_id)
         seq.status = status
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -187,8 +189,9 @@ class Scheduler:
                 if self._has_room():
                     self._try_schedule(child, self._num_new_tokens(child))
 
+        finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted))
+                               tuple(preempted), finished)
 
     def _has_room(self) -> bool:
         return self._budget > 0 and len(self._chunks) < self.config.max_num_seqs
@@ -215,9 +218,10 @@ class Scheduler:
 
     def _add_chunk(self, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
+        num_kept, new_ids = self.block_manager.table_update(seq.seq_id)
         self._chunks.append(ScheduledChunk(
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids(start, start + num_new)), start_position=start,
-            block_table=tuple(self.block_manager.block_table(seq.seq_id)), sample=start + num_new == seq.num_tokens))
+            num_kept_blocks=num_kept, new_block_ids=new_ids, sample=start + num_new == seq.num_tokens))
         self._budget -= num_new
 
     def _victims(self, i: int) -> list[Sequence]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
+from paged_jax.worker.block_tables import HostBlockTables
 
 
 class BatchInputs(NamedTuple):
@@ -63,22 +64,28 @@ def all_batch_shapes(seq_buckets, token_buckets) -> list[tuple[int, int]]:
     return sorted(decode | mixed)
 
 
-def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], *, block_size: int, num_blocks: int,
-                  max_blocks_per_seq: int, seq_buckets, token_buckets, max_copies: int) -> BatchInputs:
+def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables: HostBlockTables, *,
+                  block_size: int, num_blocks: int, seq_buckets, token_buckets, max_copies: int) -> BatchInputs:
+    """The step's padded arrays; applies the step's block-table updates to `tables`."""
     chunks = output.chunks
     num_seqs, num_tokens = len(chunks), output.num_batched_tokens
     S, T = batch_shape(seq_buckets, token_buckets, num_seqs, num_tokens)
-    b = empty_batch(S, T, max_blocks_per_seq, max_copies, pad_slot=num_blocks * block_size)
+    b = empty_batch(S, T, tables.width, max_copies, pad_slot=num_blocks * block_size)
+    tables.drop_departed(output)
     cursor = 0
     for row, chunk in enumerate(chunks):
         n, start = chunk.num_tokens, chunk.start_position
         span = slice(cursor, cursor + n)
-        table = np.asarray(chunk.block_table, np.int32)
-        positions = np.arange(start, start + n, dtype=np.int32)
-        b.token_ids[span] = chunk.token_ids
-        b.positions[span] = positions
-        b.slot_mapping[span] = table[positions // block_size] * block_size + positions % block_size
-        b.block_tables[row, : len(table)] = table
+        table = tables.update(chunk)
+        if n == 1:  # decode: no arrays to build for one token
+            b.token_ids[cursor], b.positions[cursor] = chunk.token_ids[0], start
+            b.slot_mapping[cursor] = table[start // block_size] * block_size + start % block_size
+        else:
+            positions = np.arange(start, start + n, dtype=np.int32)
+            b.token_ids[span] = chunk.token_ids
+            b.positions[span] = positions
+            b.slot_mapping[span] = table[positions // block_size] * block_size + positions % block_size
+        b.block_tables[row] = table
         b.context_lens[row] = start + n
         cursor += n
         b.query_start_loc[row + 1] = cursor

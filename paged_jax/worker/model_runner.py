@@ -44,6 +44,7 @@ from paged_jax.model.functional import check_params, split_model
 from paged_jax.model.llama import Params
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
+from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.sampler import sample_tokens
 
 SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
@@ -71,6 +72,7 @@ class ModelRunner:
         self.params = params
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
         self.max_copies = config.max_num_seqs
         self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
         dtype = jnp.dtype(config.dtype)
@@ -155,8 +157,8 @@ class ModelRunner:
             self._do_swap_out(output.swap_out)
         if output.swap_in:
             self._do_swap_in(output.swap_in)
-        batch = prepare_batch(output, seqs, block_size=self.config.block_size, num_blocks=self.num_blocks,
-                              max_blocks_per_seq=self.max_blocks_per_seq, seq_buckets=self.config.seq_buckets,
+        batch = prepare_batch(output, seqs, self.block_tables, block_size=self.config.block_size,
+                              num_blocks=self.num_blocks, seq_buckets=self.config.seq_buckets,
                               token_buckets=self.config.token_buckets, max_copies=self.max_copies)
         n = len(output.chunks)
         return StepResult(*(a[:n] for a in self.run_batch(batch)))

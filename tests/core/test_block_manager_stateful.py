@@ -25,6 +25,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(9, 2, num_host_blocks=10, watermark=0.125)
         self.next_id = 0
         self.groups = []  # swapped groups: [seq_ids, structure, ref counts or None]
+        self.mirror = {}  # seq id -> its table as rebuilt from table_update() alone (a runner's copy)
 
     def _snapshot(self):
         bm = self.bm
@@ -102,10 +103,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.bm._tables)))
         self.bm.free(seq)
+        self.mirror.pop(seq, None)
         for group in self.groups:
             if seq in group[0]:
                 group[0].remove(seq)
                 group[2] = None  # the survivors' ref counts now differ
+
+    @precondition(lambda self: self.bm._tables)
+    @rule(data=st.data())
+    def runner_reads_update(self, data):
+        """A runner that keeps tables between steps and applies only the updates has the
+        table, whatever grew, forked, copied on write or swapped since it last looked."""
+        seq = data.draw(st.sampled_from(sorted(self.bm._tables)))
+        k, ids = self.bm.table_update(seq)
+        assert k == 0 or (seq in self.mirror and k <= len(self.mirror[seq]))
+        self.mirror[seq] = self.mirror.get(seq, [])[:k] + list(ids)
+        assert self.mirror[seq] == self.bm.block_table(seq)
+        assert self.bm.table_update(seq) == (len(self.mirror[seq]), ())  # nothing changed since
 
     def _family(self, seq):
         """`seq` and every device sequence sharing a block with it, transitively."""

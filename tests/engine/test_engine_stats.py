@@ -29,8 +29,8 @@ def _scheduler():
 
 
 def _chunks(*samples):
-    return tuple(ScheduledChunk(seq_id=i, token_ids=(1,), start_position=0, block_table=(1,), sample=s)
-                 for i, s in enumerate(samples))
+    return tuple(ScheduledChunk(seq_id=i, token_ids=(1,), start_position=0, num_kept_blocks=0, new_block_ids=(1,),
+                                sample=s) for i, s in enumerate(samples))
 
 
 def test_saturated_throughput_counts_sampled_tokens_of_steps_with_requests_waiting():

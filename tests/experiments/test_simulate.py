@@ -226,7 +226,8 @@ def test_step_features_raw_and_bucketed():
     from paged_jax.core.scheduler_output import ScheduledChunk, SchedulerOutput
 
     def chunk(start, n):
-        return ScheduledChunk(seq_id=start, token_ids=(5,) * n, start_position=start, block_table=(1,), sample=True)
+        return ScheduledChunk(seq_id=start, token_ids=(5,) * n, start_position=start, num_kept_blocks=0,
+                              new_block_ids=(1,), sample=True)
     decode = SchedulerOutput((chunk(7, 1), chunk(20, 1), chunk(3, 1)))
     mixed = SchedulerOutput((chunk(0, 10), chunk(30, 1)))
     # context: each row attends to start + n tokens: 8 + 21 + 4; 10 + 31

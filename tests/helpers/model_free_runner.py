@@ -7,7 +7,9 @@ in the runner's order (swap-out, swap-in, copy-on-write), writes each chunk's sl
 (no slot twice in one step), and then checks that every position each chunk attends to
 holds exactly that sequence's own prefix: a block handed out too early, a shared block
 written in place, a lost swap or a prefix-cache hit computed under another prefix all
-show up as a wrong read. "Sampling" is a fixed function of the sequence's seed and length
+show up as a wrong read. Block tables arrive as updates (keep k entries, then new ids),
+as ModelRunner gets them; this runner rebuilds each table from its updates only, so a
+wrong or missing update reads the wrong K/V too. "Sampling" is a fixed function of the sequence's seed and length
 (so n > 1 completions diverge and copy-on-write happens); beams get distinct candidates.
 
 Used with LLMEngine's injection points: `serve(config, requests)` runs the real engine
@@ -43,6 +45,7 @@ class ContentCheckingRunner:
         self.max_copies = config.max_num_seqs  # ModelRunner's per-step limit
         self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
         self.device: dict[int, list] = {}  # device block id -> per slot: the prefix it holds K/V of
+        self.tables: dict[int, list[int]] = {}  # seq id -> block table, rebuilt from the chunks' updates
         self.host: dict[int, list] = {}
         self.device_seconds = 0.0
         self.num_steps = 0
@@ -65,27 +68,36 @@ class ContentCheckingRunner:
             raise AssertionError(f"{len(output.block_copies)} block copies exceed the runner's {self.max_copies}")
         for src, dst in output.block_copies:
             self.device[dst] = list(self._slot(self.device, src))
+        for seq_id in output.finished_seq_ids + output.preempted_seq_ids:
+            self.tables.pop(seq_id, None)
+        tables = {}
+        for chunk in output.chunks:
+            if chunk.num_kept_blocks and len(self.tables.get(chunk.seq_id, ())) < chunk.num_kept_blocks:
+                raise KVReadError(f"seq {chunk.seq_id}: an update keeps {chunk.num_kept_blocks} blocks of "
+                                  f"{self.tables.get(chunk.seq_id)}")
+            kept = self.tables.get(chunk.seq_id, [])[: chunk.num_kept_blocks]
+            tables[chunk.seq_id] = self.tables[chunk.seq_id] = kept + list(chunk.new_block_ids)
         written: set[tuple[int, int]] = set()
         for chunk in output.chunks:  # every chunk writes its slots, then all of them read
-            seq = seqs[chunk.seq_id]
+            seq, table = seqs[chunk.seq_id], tables[chunk.seq_id]
             start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
             if list(chunk.token_ids) != seq.token_ids(start, end):
                 raise KVReadError(f"seq {seq.seq_id}: chunk tokens are not tokens [{start}, {end})")
-            if len(chunk.block_table) * self.block_size < end or 0 in chunk.block_table:
-                raise KVReadError(f"seq {seq.seq_id}: block table {chunk.block_table} cannot hold {end} tokens")
+            if len(table) * self.block_size < end or 0 in table:
+                raise KVReadError(f"seq {seq.seq_id}: block table {table} cannot hold {end} tokens")
             prefix = seq.token_ids(0, end)
             for pos in range(start, end):
-                slot = (chunk.block_table[pos // self.block_size], pos % self.block_size)
+                slot = (table[pos // self.block_size], pos % self.block_size)
                 if slot in written:
                     raise KVReadError(f"seq {seq.seq_id}: slot {slot} written twice in one step")
                 written.add(slot)
                 self._slot(self.device, slot[0])[slot[1]] = tuple(prefix[: pos + 1])
         for chunk in output.chunks:
-            seq = seqs[chunk.seq_id]
+            seq, table = seqs[chunk.seq_id], tables[chunk.seq_id]
             end = chunk.start_position + chunk.num_tokens
             prefix = seq.token_ids(0, end)
             for pos in range(end):
-                block = chunk.block_table[pos // self.block_size]
+                block = table[pos // self.block_size]
                 held = self._slot(self.device, block)[pos % self.block_size]
                 if held != tuple(prefix[: pos + 1]):
                     raise KVReadError(f"seq {seq.seq_id} reads position {pos} from block {block}: holds K/V of "
