@@ -181,6 +181,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is queued or running (not finished, aborted or unknown)."""
+        return request_id in self._requests
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (e.g. between benchmark runs); returns how many."""
         return self.block_manager.reset_prefix_cache()

@@ -128,7 +128,7 @@ SERVE_TINY_AND_FAIL = """
 import sys
 import jax
 import configs
-from paged_jax.engine import llm_engine
+from paged_jax.engine import core, llm_engine
 from paged_jax.loading import LoadedModel
 from paged_jax.model.llama import init_params
 
@@ -139,7 +139,7 @@ llm_engine.load_model = lambda name, dtype=None: tiny
 def step(self):
     raise RuntimeError("injected fault in engine.step")
 
-llm_engine.LLMEngine.step = step
+core.EngineCore.step = step
 from paged_jax.entrypoints import cli
 sys.exit(cli.main(["paged-jax", "serve", *sys.argv[1:]]))
 """

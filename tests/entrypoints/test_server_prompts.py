@@ -1,10 +1,13 @@
-"""What the server hands the engine: token ids tokenized off the engine thread, with cache_salt.
+"""What the server hands the engine: token ids tokenized off the engine thread, with cache_salt;
+and what it gets back: token ids, detokenized off the engine thread too.
 
 Text prompts and chat templates are tokenized on the app's tokenizer thread, never on
 the engine thread (a long prompt would stall every running request's next token) nor on
 the event loop; the engine gets `{"prompt_token_ids": ids}` equal to what it would have
 tokenized itself, plus `"cache_salt"` when the request has one, and requests with
-different salts share no prefix-cache blocks. Runs on the shared SmolLM2 `live_server`
+different salts share no prefix-cache blocks. The engine thread steps the engine core
+only; text and stop strings are worked out on the event loop, and a stop string found
+there ends its request in the core. Runs on the shared SmolLM2 `live_server`
 (server_harness.py); empty or mistyped salts are 400s in test_server_errors.py.
 """
 
@@ -19,14 +22,15 @@ HITS = ("paged_jax_prefix_cache_hits_total", ())
 
 @pytest.fixture
 def engine_prompts(live_server, monkeypatch):
-    """Every prompt the engine thread passes to add_request while the test runs."""
-    seen, add_request = [], live_server.engine.add_request
+    """Every prompt the server hands the engine (its processor checks them, then the
+    engine core gets their token ids) while the test runs."""
+    seen, process = [], live_server.engine.processor.process
 
-    def spy(request_id, prompt, *args, **kwargs):
+    def spy(prompt):
         seen.append(prompt)
-        return add_request(request_id, prompt, *args, **kwargs)
+        return process(prompt)
 
-    monkeypatch.setattr(live_server.engine, "add_request", spy)
+    monkeypatch.setattr(live_server.engine.processor, "process", spy)
     return seen
 
 
@@ -91,3 +95,25 @@ def test_cache_salt_reaches_the_engine_and_separates_prefix_caches(live_server, 
     salts = [p.get("cache_salt") for p in engine_prompts]
     assert salts == ["tenant-a", "tenant-a", "tenant-b", None, "tenant-a", "tenant-c"]
     assert "cache_salt" not in engine_prompts[3]  # no salt: the key is left out, not sent as None
+
+
+def test_outputs_are_detokenized_off_the_engine_thread_and_stop_strings_end_requests_in_the_core(live_server,
+                                                                                                  monkeypatch):
+    """Every RequestOutput is built (text, stop strings) on the event loop, never on the
+    engine thread; a stop string found there frees the request's blocks in the core."""
+    offline = live_server.offline["completion-0"]
+    text = offline.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]  # occurs in the greedy text, so it must cut it there
+    assert len(stop) == 3 and stop.strip()
+    loop = live_server.loop
+    threads = spy_threads(monkeypatch, loop.output_processor, "process")
+    step_threads = spy_threads(monkeypatch, loop.core, "step")
+    r = live_server.post("/v1/completions", json={"model": MODEL, "prompt": COMPLETION_PROMPTS[0], "temperature": 0,
+                                                  "max_tokens": len(offline.outputs[0].token_ids), "stop": [stop]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.index(stop)]
+    assert threads and not any(t.startswith("paged_jax-engine") for t in threads), threads
+    assert step_threads and set(step_threads) == {"paged_jax-engine"}, set(step_threads)
+    live_server.assert_all_blocks_free()  # the stop string finished the request in the core
+    assert not loop.core.has_unfinished_requests() and not loop.output_processor._requests

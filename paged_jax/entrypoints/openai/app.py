@@ -19,7 +19,9 @@ the engine thread would stall every running request's next token, and on the eve
 every other connection. One thread, as vLLM's tokenizer executor: the tokenizer's Rust
 state is shared, and a queue of long prompts should not take every default-pool thread.
 The engine gets token ids only (`{"prompt_token_ids": ids}`, plus the request's
-`cache_salt` when it has one).
+`cache_salt` when it has one), and hands back token ids: each request's text is
+detokenized in its own handler, on the event loop (request_stream.py), so the engine
+thread runs nothing but the engine core.
 
 If the engine fails (engine_loop.py), requests in flight get a 500 (streams: an error
 event, then [DONE]), new ones and /health a 503, and the server shuts down so that the
@@ -43,13 +45,14 @@ from pydantic import BaseModel, ValidationError
 
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
-                                                     QueueFull, RequestAborted, RequestStream)
+                                                     QueueFull, RequestAborted)
 from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
                                                  server_busy, unavailable, validation_message)
 from paged_jax.entrypoints.openai.http_guards import HTTPGuards
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from paged_jax.entrypoints.openai.request_stream import RequestStream
 from paged_jax.entrypoints.openai.responses import ResponseBuilder
 
 logger = logging.getLogger(__name__)

@@ -1,16 +1,23 @@
-"""One thread owns the LLMEngine; asyncio request handlers talk to it through queues.
+"""One thread owns the engine core; asyncio request handlers talk to it through queues.
 
-Why a thread: `engine.step()` blocks for the whole jitted step (tens to hundreds of
+Why a thread: a step blocks for the whole jitted call (tens to hundreds of
 milliseconds), so it cannot run on the event loop, and the engine is not thread-safe,
-so exactly one thread may touch it. That thread:
+so exactly one thread may touch it. That thread runs the engine core only (token ids in,
+token ids out; engine/core.py):
 
   1. waits on a condition while there is neither a command nor unfinished work (an idle
      server burns no CPU);
   2. applies queued commands between steps: adds (a group of engine requests per HTTP
-     request, all or none) and aborts (blocks freed at once, by the engine);
-  3. runs one step while work exists, and hands each RequestOutput to its HTTP request's
-     asyncio.Queue with `loop.call_soon_threadsafe` (asyncio queues are not thread-safe);
-  4. publishes `engine.stats()` after every iteration, for /metrics and for admission.
+     request, all or none), aborts (blocks freed at once) and finishes (a completion the
+     front end found a stop string in);
+  3. runs one core step while work exists, and hands each request's EngineCoreOutput to
+     its HTTP request's asyncio.Queue with `loop.call_soon_threadsafe` (asyncio queues
+     are not thread-safe);
+  4. publishes the core's stats after every iteration, for /metrics and for admission.
+
+Everything with text runs elsewhere: prompts are tokenized on the app's tokenizer thread
+and checked (engine/processor.py) in `submit`, and outputs are detokenized and checked
+for stop strings on the event loop, per request (request_stream.py).
 
 Admission is bounded: `submit` refuses (QueueFull, a 503) while the sequences waiting
 in the scheduler plus those submitted but not yet handed to the engine reach
@@ -40,8 +47,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.engine.core_outputs import EngineCoreOutput
+from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.entrypoints.openai.request_stream import ACCEPTED, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -62,65 +71,28 @@ class RequestAborted(Exception):
     """Delivered to a request that its own HTTP side aborted (the client went away)."""
 
 
-ACCEPTED = "accepted"  # first item of a stream whose adds all succeeded
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     request_id: str
-    prompt: Any  # whatever add_request takes; the server sends {"prompt_token_ids": [...][, "cache_salt": s]}
+    prompt: Any  # whatever LLMEngine.add_request takes; the server sends {"prompt_token_ids": [...][, "cache_salt": s]}
     params: SamplingParams
-
-
-class RequestStream:
-    """The asyncio side of one HTTP request: its engine requests' outputs, in step order."""
-
-    def __init__(self, owner: EngineLoop, request_ids: list[str], queue: asyncio.Queue):
-        self._owner, self._queue = owner, queue
-        self.request_ids = request_ids
-        self.unfinished = set(request_ids)
-        self.aborted = False  # set by abort(): the outputs stop and the request counts as aborted
-
-    async def accepted(self) -> None:
-        """Wait until the engine took every request; re-raises its ValueError on bad input."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()  # nothing was queued (a refused group is rolled back)
-            raise item
-        assert item == ACCEPTED, item
-
-    async def next(self) -> RequestOutput:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()
-            raise item
-        if item.finished:
-            self.unfinished.discard(item.request_id)
-        return item
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def abort(self) -> None:
-        """Abort whatever has not finished (no-op once everything finished)."""
-        if self.unfinished:
-            self.aborted = True
-            self._owner.abort(sorted(self.unfinished))
-            self.unfinished.clear()
 
 
 class EngineLoop:
     def __init__(self, engine, *, max_waiting_requests: int = 256,
-                 on_step: Callable[[list[RequestOutput]], None] | None = None):
+                 on_step: Callable[[list[EngineCoreOutput]], None] | None = None):
+        """`engine`: an LLMEngine; this loop drives its core and its processor (prompt
+        checks), with its own OutputProcessor on the event loop."""
         self.engine = engine
+        self.core = engine.core
+        self.output_processor = OutputProcessor(engine.tokenizer)  # event-loop thread only
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step  # called on the engine thread after each step (metrics)
         self._cond = threading.Condition()
         self._commands: list[tuple] = []  # guarded by _cond
         self._num_pending = 0  # sequences submitted, not yet counted in _num_waiting (guarded)
         self._num_waiting = 0  # the scheduler's waiting sequences at the last publish (guarded)
-        self._stats: dict = engine.stats()
+        self._stats: dict = self.core.stats()
         self._stopping = False
         self._draining = False  # shutting down: new requests are refused, running ones go on
         self._num_streams = 0  # requests with a listener at the last publish (guarded)
@@ -186,6 +158,12 @@ class EngineLoop:
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
 
+        stream = RequestStream(self, [r.request_id for r in requests], queue, self.output_processor)
+        try:
+            prompts = [self.engine.processor.process(r.prompt) for r in requests]
+        except ValueError as exc:  # nothing is queued: the handler's accepted() raises it
+            prompts = None
+            queue.put_nowait(exc)
         with self._cond:
             if self.error is not None:
                 raise EngineDead(_dead_message(self.error))
@@ -193,14 +171,24 @@ class EngineLoop:
                 raise EngineUnavailable("the server is shutting down")
             if self._num_pending + self._num_waiting >= self.max_waiting_requests:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting_requests} sequences); retry later")
-            self._commands.append(("add", requests, deliver, num_seqs))
+            if prompts is None:
+                return stream
+            for r, p in zip(requests, prompts):
+                self.output_processor.add_request(r.request_id, p.text, p.token_ids, r.params)
+            self._commands.append(("add", list(zip(requests, prompts)), deliver, num_seqs))
             self._num_pending += num_seqs
             self._cond.notify()
-        return RequestStream(self, [r.request_id for r in requests], queue)
+        return stream
 
     def abort(self, request_ids: list[str]) -> None:
         with self._cond:
             self._commands.append(("abort", list(request_ids)))
+            self._cond.notify()
+
+    def finish_sequence(self, request_id: str, index: int, stop: str) -> None:
+        """End completion `index` of a request, stopped by stop string `stop` (front end)."""
+        with self._cond:
+            self._commands.append(("finish", request_id, index, stop))
             self._cond.notify()
 
     # ---- the engine thread -------------------------------------------------------------
@@ -211,10 +199,10 @@ class EngineLoop:
             self._fail(exc)
 
     def _serve(self) -> None:
-        engine = self.engine
+        core = self.core
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                while not (self._commands or self._stopping or core.has_unfinished_requests()):
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
@@ -226,7 +214,7 @@ class EngineLoop:
                                          refuse_queued=True)
                 self._publish(added)
                 return
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            outputs = core.step() if core.has_unfinished_requests() else []
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
@@ -257,20 +245,26 @@ class EngineLoop:
             return self._abort_all(EngineUnavailable(command[1]))
         if command[0] == "abort":
             for request_id in command[1]:
-                self.engine.abort_request(request_id)
+                self.core.abort_request(request_id)
                 sink = self._sinks.pop(request_id, None)
                 if sink is not None:
                     sink(RequestAborted(request_id))
             return 0
+        if command[0] == "finish":  # its stream already ended the completion: nobody is told
+            _, request_id, index, stop = command
+            self.core.finish_sequence(request_id, index, stop)
+            if not self.core.has_request(request_id):
+                self._sinks.pop(request_id, None)
+            return 0
         _, requests, deliver, num_seqs = command
         done = []
         try:
-            for r in requests:
-                self.engine.add_request(r.request_id, r.prompt, r.params)
+            for r, prompt in requests:
+                self.core.add_request(r.request_id, prompt.token_ids, r.params, cache_salt=prompt.cache_salt)
                 done.append(r.request_id)
         except Exception as exc:  # ValueError: bad input (a 400); anything else: reported as is
             for request_id in done:  # all or nothing
-                self.engine.abort_request(request_id)
+                self.core.abort_request(request_id)
             deliver(exc)
             return num_seqs
         for request_id in done:
@@ -283,7 +277,7 @@ class EngineLoop:
         applied); each listener gets `reason`. Returns the refused adds' sequences."""
         for request_id, sink in list(self._sinks.items()):
             try:
-                self.engine.abort_request(request_id)
+                self.core.abort_request(request_id)
             except Exception:  # the engine may be broken (after a failed step): still tell the client
                 logger.exception("abort of %s failed", request_id)
             sink(reason)
@@ -300,9 +294,9 @@ class EngineLoop:
 
     def _publish(self, added: int) -> None:
         try:
-            stats = self.engine.stats()
+            stats = self.core.stats()
         except Exception:
-            logger.exception("engine.stats() failed")
+            logger.exception("the engine's stats() failed")
             stats = self._stats
         with self._cond:
             self._num_pending -= added

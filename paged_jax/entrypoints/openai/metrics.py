@@ -91,7 +91,8 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_step(self, outputs: list[RequestOutput]) -> None:
+    def observe_step(self, outputs: list) -> None:
+        """On the engine thread, after a step: `outputs` are its EngineCoreOutputs, one per request that moved."""
         self.step_requests.observe(len(outputs))
 
     def observe_refusal(self, error) -> None:
