@@ -15,15 +15,28 @@ the device part short, and a real tokenizer (--tokenizer) decodes its tokens. Ho
 minus the runner's device time (EngineStats): scheduling, block manager, batch
 preparation, output processing. Each length runs with per-step outputs (as a server
 streams them: every running request's RequestOutput, token lists copied) and with
-final_outputs_only, --repeats times (the least disturbed run counts: other work shares
-these CPUs). Reported: median host ms over the steps that decode all sequences, over the
-first and last 64 of them, and the output processing part of it (the front end's
-detokenization, stop strings and RequestOutputs) over the first and last 64.
+final_outputs_only, --repeats times. Reported: median host ms over the steps that decode
+all sequences, over the first and last 64 of them, and its two parts there: the engine
+core's (scheduling, block tables, batch preparation; all a server's engine thread does)
+and output processing (the front end's detokenization, stop strings and RequestOutputs;
+a server does it on the event loop). Each window's figure is the lowest of its medians
+over the repeats (other work shares these CPUs; a disturbed run only raises a median).
+
+Each setting runs twice: with the real runner, and with a host-only runner (the real
+batch preparation, random tokens, no device step: --runners). The second isolates the
+engine's own host work: with the model, the host figures also carry what the device
+step does to the host code after it (its threads share these 2 cores, its KV working
+set grows with the outputs), and they moved by up to 30% between runs here.
+
+Per-step outputs are cumulative (each RequestOutput holds the whole completion so far,
+as vLLM's default output kind), so building them copies O(length) per step by
+definition; the engine core and final-only output processing should be flat.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 
@@ -36,7 +49,11 @@ _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences decoding together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
 _OUTPUT_LENS = flags.DEFINE_list("output_lens", ["64", "1024"], "Output tokens per sequence, one run each.")
 _STOP = flags.DEFINE_string("stop", "never-in-the-output", "A stop string (it should not occur).")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Runs per setting; the one with the lowest median host time counts.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per setting; each window counts its lowest median over them.")
+_RUNNERS = flags.DEFINE_multi_enum("runners", ["model", "host_only"], ["model", "host_only"],
+                                   "model: the real runner (the device step runs); host_only: batch preparation "
+                                   "only, random tokens (experiments/benchmarks/host_only_runner.py), isolating "
+                                   "the engine's host work from the device step's effect on the host code after it.")
 _OUTPUT = flags.DEFINE_string("output", "host_time_vs_output_len", "Result name: experiments/results/<output>.json.")
 
 
@@ -78,6 +95,7 @@ def main(argv):
     import numpy as np
 
     from experiments.bench_models import load_for_benchmark
+    from experiments.benchmarks.host_only_runner import HostOnlyRunner
     from experiments.reporting.results_io import write_result
     from paged_jax.config.engine_config import EngineConfig
     from paged_jax.core.sampling_params import SamplingParams
@@ -86,6 +104,7 @@ def main(argv):
     from paged_jax.loading.registry import resolve
     from paged_jax.model.llama import init_params
     from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.worker.model_runner import ModelRunner
     enable_compilation_cache()
     n, lens = _NUM_SEQS.value, [int(x) for x in _OUTPUT_LENS.value]
     max_len = -(-(_PROMPT_LEN.value + max(lens)) // 64) * 64
@@ -102,8 +121,9 @@ def main(argv):
                           token_buckets=(n, n * _PROMPT_LEN.value), enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     rows = []
-    for final_only in (False, True):
-        engine = LLMEngine(model, config, final_outputs_only=final_only)
+    for runner, final_only in itertools.product(_RUNNERS.value, (False, True)):
+        factory = {"model": ModelRunner, "host_only": HostOnlyRunner}[runner]
+        engine = LLMEngine(model, config, final_outputs_only=final_only, runner_factory=factory)
         for output_len in lens:
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, stop=[_STOP.value])
             runs = []
@@ -111,19 +131,28 @@ def main(argv):
                 prompts = [rng.integers(3, model.config.vocab_size, _PROMPT_LEN.value).tolist() for _ in range(n)]
                 runs.append(_decode_steps(engine, prompts, params))
             steps = min(runs, key=lambda r: statistics.median(h for h, _, _ in r))
-            host, output = [h for h, _, _ in steps], [o for _, o, _ in steps]
-            row = {"output_len": output_len, "final_outputs_only": final_only, "decode_steps": len(steps),
-                   "host_ms_median": _median_ms(host), "host_ms_median_first_64": _median_ms(host[:64]),
-                   "host_ms_median_last_64": _median_ms(host[-64:]),
-                   "output_processing_ms_median_first_64": _median_ms(output[:64]),
-                   "output_processing_ms_median_last_64": _median_ms(output[-64:]),
+
+            def window(part, at):  # the least disturbed run's median over the window
+                return min(_median_ms([part(*step) for step in r[at]]) for r in runs)
+
+            first, last = slice(0, 64), slice(-64, None)
+            row = {"runner": runner, "output_len": output_len, "final_outputs_only": final_only,
+                   "decode_steps": len(steps),
+                   "host_ms_median": _median_ms([h for h, _, _ in steps]),
+                   "host_ms_median_first_64": window(lambda h, o, d: h, first),
+                   "host_ms_median_last_64": window(lambda h, o, d: h, last),
+                   "core_host_ms_median_first_64": window(lambda h, o, d: h - o, first),
+                   "core_host_ms_median_last_64": window(lambda h, o, d: h - o, last),
+                   "output_processing_ms_median_first_64": window(lambda h, o, d: o, first),
+                   "output_processing_ms_median_last_64": window(lambda h, o, d: o, last),
                    "device_ms_median": _median_ms([d for _, _, d in steps]),
                    "host_ms_median_per_run": [_median_ms([h for h, _, _ in r]) for r in runs]}
             rows.append(row)
-            print(f"final_outputs_only={final_only} output_len {output_len}: host {row['host_ms_median']} ms/step "
-                  f"(first 64 {row['host_ms_median_first_64']}, last 64 {row['host_ms_median_last_64']}; of which "
-                  f"output processing {row['output_processing_ms_median_first_64']} / "
-                  f"{row['output_processing_ms_median_last_64']}), device {row['device_ms_median']} ms, "
+            print(f"{runner} final_outputs_only={final_only} output_len {output_len}: host {row['host_ms_median']} ms/step "
+                  f"(first 64 {row['host_ms_median_first_64']}, last 64 {row['host_ms_median_last_64']}; engine core "
+                  f"{row['core_host_ms_median_first_64']} / {row['core_host_ms_median_last_64']}, output processing "
+                  f"{row['output_processing_ms_median_first_64']} / {row['output_processing_ms_median_last_64']}), "
+                  f"device {row['device_ms_median']} ms, "
                   f"{len(steps)} steps", flush=True)
         del engine
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}

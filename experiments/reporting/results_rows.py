@@ -12,6 +12,8 @@ record whose figures it cannot read (e.g. simulate.json of an unknown schema).
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import statistics
 import sys
@@ -211,6 +213,34 @@ def peer_hf(record: dict) -> list:
              _join((fig[m]["output_tokens_per_s"] for m in modes), "{:.1f}") + equal + _cpu_note(record))]
 
 
+def peer_vllm(record: dict) -> list:
+    """vLLM's CPU backend against ours (experiments/peer_vllm.py): output tok/s (means over the
+    rounds) per vLLM mode and ours, the ratios, and how our outputs compared with vLLM's."""
+    fig, flags = record["figures"], record["flags"]
+    summary = fig["summary"]
+    words = {"both_cores": "vLLM on all cores", "default": "vLLM as set up by default (a core reserved)"}
+    modes = [m for m in flags.get("vllm_modes", []) if isinstance(summary.get(m), dict)]
+    check = fig["greedy_check"]
+    ours = [c for label, c in check["runs"].items() if label.startswith("paged_jax")]
+    total = {k: sum(c[k] for c in ours) for k in ("equal", "near_tie", "mismatch", "unchecked")}
+    if ours and total["equal"] == sum(total.values()):
+        equal = "; outputs equal token for token"
+    else:
+        equal = (f"; paged_jax outputs vs vLLM's: {total['equal']} equal, {total['near_tie']} near ties, "
+                 f"{total['mismatch']} mismatches" + (f", {total['unchecked']} differ (unchecked, "
+                                                       f"{fig.get('dtype')})" if total["unchecked"] else ""))
+    version = (fig.get("versions") or {}).get("vllm", "")
+    return [((f"vLLM {version} CPU backend on the same {flags['num_requests']} "
+              f"{workload_label(flags.get('workload'))} requests (scale {flags.get('scale')}: prompts "
+              f"{fig['mean_prompt_tokens']:.0f}, outputs {fig['mean_output_tokens']:.0f} tokens), "
+              f"{model_label(fig.get('model'))}, {fig.get('dtype')}, max_num_seqs {flags.get('max_num_seqs')}, "
+              f"{flags.get('rounds')} rounds, output tok/s: {_join(words.get(m, m) for m in modes)} / paged_jax"),
+             _join([summary[m]["vllm_mean_output_tokens_per_s"] for m in modes]
+                   + [summary["paged_jax_mean_output_tokens_per_s"]], "{:.1f}")
+             + "; paged_jax / vLLM " + _join((summary[m]["ratio"] for m in modes), "{:.2f}x")
+             + equal + _cpu_note(record))]
+
+
 def _setting(record: dict) -> str:
     fig, flags = record["figures"], record.get("flags") or {}
     model = fig.get("model") or flags.get("model")
@@ -367,18 +397,26 @@ def step_shape_costs(record: dict) -> list:
 
 
 def host_time_vs_output_len(record: dict) -> list:
-    """Host milliseconds per decode step early and late in long outputs, per output mode."""
+    """Host milliseconds per decode step early and late in long outputs, per output mode
+    (and the engine core's part, where the record has it)."""
     fig = record["figures"]
     out = []
-    for final in (False, True):
-        rows = [r for r in fig["rows"] if r["final_outputs_only"] == final]
+    for runner, final in itertools.product(("model", "host_only"), (False, True)):
+        rows = [r for r in fig["rows"] if r["final_outputs_only"] == final and r.get("runner", "model") == runner]
         if not rows:
             continue
         mode = "final outputs only" if final else "per-step outputs"
+        if runner == "host_only":
+            mode += ", host-only runner (no device step)"
+        core = all("core_host_ms_median_first_64" in r for r in rows)
         out.append((f"host time per decode step, {fig['num_seqs']} sequences, {mode}, outputs "
-                    + " / ".join(str(r["output_len"]) for r in rows) + " tokens: first 64 -> last 64 steps",
+                    + " / ".join(str(r["output_len"]) for r in rows) + " tokens: first 64 -> last 64 steps"
+                    + (" (engine core's part)" if core else ""),
                     " / ".join(f"{r['host_ms_median_first_64']:.2f} -> {r['host_ms_median_last_64']:.2f} ms "
-                               f"(device {r['device_ms_median']:.0f} ms)" for r in rows)))
+                               + (f"({r['core_host_ms_median_first_64']:.2f} -> {r['core_host_ms_median_last_64']:.2f}"
+                                  f" ms) " if core else "")
+                               + (f"(device {r['device_ms_median']:.0f} ms)" if runner == "model" else "")
+                               for r in rows)))
     return out
 
 
@@ -394,6 +432,7 @@ BUILDERS = {
     "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": bench_kernel,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
+    "peer_vllm": peer_vllm,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
