@@ -139,7 +139,8 @@ class EngineCore:
                              f"returns {self.runner.num_top_logprobs} (raise max_logprobs)")
         check_group_fits(self.config, self.block_manager, params.beam_width, len(token_ids) + params.max_tokens)
         max_new = min(params.max_tokens, self.config.max_model_len - len(token_ids))
-        greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)  # the sampled token is unused
+        # the sampled token is unused; logprobs=needed makes the runner return each beam's candidates
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=needed)
         seq = self._new_seq(request_id, 0, token_ids, greedy, now, 0, cache_salt)
         return _CoreRequest(request_id, params, [seq], eos, now, root=seq, beam=BeamSearchState(params, eos, max_new))
 

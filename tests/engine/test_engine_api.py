@@ -139,6 +139,23 @@ def test_stop_token_ids_and_logprobs(llm, model):
     np.testing.assert_allclose(free.outputs[0].logprobs, want, atol=1e-4)
 
 
+def test_top_logprobs_match_the_reference_in_a_batch_where_only_one_request_asks(llm, model):
+    """The runner computes top-K only in steps where a row asks; the row that asks gets the
+    reference's K best log-softmax entries at every position, the others none."""
+    asks = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    asked, other = llm.generate(_ids([5, 6, 7], [9, 10]), [asks, plain], use_tqdm=False)
+    assert other.outputs[0].top_logprobs is None
+    tokens = asked.outputs[0].token_ids
+    logits = reference.prompt_logits(model.params, model.config, [[5, 6, 7] + tokens])[0]
+    log_softmax = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    for i, top in enumerate(asked.outputs[0].top_logprobs):
+        row = np.asarray(log_softmax[2 + i])
+        want = np.argsort(-row)[:3]
+        assert [t for t, _ in top] == want.tolist(), i
+        np.testing.assert_allclose([lp for _, lp in top], row[want], atol=1e-4)
+
+
 def test_max_model_len_ends_a_sequence(llm):
     [out] = llm.generate(_ids(list(range(3, 63))), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                          use_tqdm=False)
