@@ -10,9 +10,9 @@ utilization: --num_requests ShareGPT-like requests (all at t=0, EOS ignored so o
 host_overhead: --host_seqs requests decoding together on --model; reports scheduler +
   block manager + batch preparation + output processing time per step, against the
   jitted step's time, over the steps that ran exactly --host_seqs decodes.
-attention_backends: the same 32 requests (prompts 50..400 tokens, 32 new tokens each,
-  max_model_len 1024) on --model with attention_backend "reference" and "pallas"; reports
-  end-to-end output tokens/s of each (what `attention_backend="auto"` is chosen by).
+attention_backends: the same 32 requests (prompts 50..400 tokens, --backend_new_tokens new
+  tokens each, max_model_len 1024) on --model with each of --backends; reports end-to-end
+  output tokens/s of each (what `attention_backend="auto"` is chosen by).
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Sequences per step.")
 _HOST_SEQS = flags.DEFINE_integer("host_seqs", 32, "Concurrent decoding sequences in the host-overhead run.")
 _HOST_TOKENS = flags.DEFINE_integer("host_output_tokens", 48, "Tokens each host-overhead request generates.")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
+_BACKENDS = flags.DEFINE_list("backends", ["reference", "pallas", "xla"],
+                              "attention_backend values the attention_backends run compares.")
+_BACKEND_NEW_TOKENS = flags.DEFINE_integer("backend_new_tokens", 32,
+                                           "Tokens each request of the attention_backends run generates "
+                                           "(32: prefill-heavy; 128+: mostly decode steps).")
+_OUTPUT = flags.DEFINE_string("output", "", "Result name (default: engine_metrics, or engine_attention_backends "
+                                            "for --measure=attention_backends).")
 
 
 def _engine_model(preset: str, model: str, dtype: str = "float32"):
@@ -109,18 +116,20 @@ def _attention_backends() -> dict:
     rng = np.random.default_rng(_SEED.value)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, model.config.vocab_size, rng.integers(50, 400))]}
                for _ in range(32)]
-    figures = {}
-    for backend in ("reference", "pallas"):
+    figures, new = {}, _BACKEND_NEW_TOKENS.value
+    for backend in _BACKENDS.value:
         llm = LLM(model, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256, attention_backend=backend)
         start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)
         seconds = time.perf_counter() - start
         stats = llm.stats()
-        figures[backend] = {"seconds": round(seconds, 2), "output_tokens_per_s": round(32 * 32 / seconds, 2),
+        figures[backend] = {"seconds": round(seconds, 2), "output_tokens_per_s": round(32 * new / seconds, 2),
                             "device_ms_per_step": round(stats["device_seconds_per_step"] * 1e3, 1),
                             "num_steps": stats["num_steps"]}
-        print(f"{backend:>9}: {seconds:.1f} s, {32 * 32 / seconds:.1f} output tok/s")
-    figures["pallas_speedup"] = round(figures["reference"]["seconds"] / figures["pallas"]["seconds"], 2)
+        print(f"{backend:>9}: {seconds:.1f} s, {32 * new / seconds:.1f} output tok/s", flush=True)
+    for backend in ("pallas", "xla"):
+        if "reference" in figures and backend in figures:
+            figures[f"{backend}_speedup"] = round(figures["reference"]["seconds"] / figures[backend]["seconds"], 2)
     figures["model"] = model.source
     return figures
 
@@ -138,7 +147,8 @@ def main(argv):
     if _MEASURE.value == "attention_backends":
         figures["attention_backends"] = _attention_backends()
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
-    name = "engine_attention_backends" if _MEASURE.value == "attention_backends" else "engine_metrics"
+    name = _OUTPUT.value or ("engine_attention_backends" if _MEASURE.value == "attention_backends"
+                             else "engine_metrics")
     print("wrote", write_result(name, flags=flag_values, figures=figures, seed=_SEED.value))
 
 

@@ -12,8 +12,9 @@ separately jitted functions with the engine's own code:
 
   layers_no_attention  the decoder (lax.scan over layers: norms, q/k/v/o and MLP matmuls,
                        RoPE) with attention replaced by the identity
-  attention            the ragged Pallas kernel (interpret mode on CPU) and its jnp
-                       reference for one layer, times num_layers
+  attention            the ragged Pallas kernel (interpret mode on CPU), its jnp reference
+                       and the XLA chunked decode loop (attention backend "xla") for one
+                       layer, times num_layers
   logits               the head matmul for the batch's rows ([S, H] x [H, V])
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
   sample_greedy        sample_tokens with temperature 0
@@ -58,6 +59,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
 
     from flax import nnx
 
+    from paged_jax.attention.chunked_attention import chunked_decode_attention
     from paged_jax.model.decoder import LlamaDecoder
     from paged_jax.model.functional import split_model
     from paged_jax.worker.sampler import sample_tokens
@@ -95,6 +97,9 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
                                                         iters=iters),
         "attention_reference": cfg.num_layers * _median_ms(jax.jit(ragged_paged_attention_reference), q, k, v,
                                                            tables, lens, qsl, iters=iters),
+        "attention_xla": cfg.num_layers * _median_ms(
+            jax.jit(functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention)), q, k, v, tables,
+            lens, qsl, iters=iters),
         "logits": _median_ms(jax.jit(compute_logits), params, hidden, iters=iters),
         "logprobs_top_k": _median_ms(jax.jit(lambda x: jax.lax.top_k(jax.nn.log_softmax(x, -1), top_k)), logits,
                                      iters=iters),
@@ -108,7 +113,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
-    total_kernel = sum(v for k_, v in parts.items() if k_ != "attention_reference")
+    total_kernel = sum(v for k_, v in parts.items() if k_ not in ("attention_reference", "attention_xla"))
     return {"num_seqs": n, "context_len": context_len, "parts_ms": parts, "step_ms_sum_kernel": round(total_kernel, 2),
             "tokens_per_s_sum_kernel": round(n / total_kernel * 1e3, 1), "matmul_gflops": round(gflops, 1),
             "gflop_per_token": round(flops_per_token / 1e9, 3),

@@ -1,6 +1,6 @@
 """The model's attention_fn on the paged KV cache: write the new K/V at their slots, then
-attend through the block tables with the Pallas kernel or its jnp reference
-(pallas_kernels/ragged_paged_attention.py).
+attend through the block tables with the Pallas kernel, its jnp reference
+(pallas_kernels/ragged_paged_attention.py) or the XLA chunked loop (chunked_attention.py).
 
 The cache layout is paged_jax/worker/kv_cache.py's: {"k", "v"}, each
 [num_layers, num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of a
@@ -10,10 +10,12 @@ padded tokens carry slot `num_blocks * block_size`, which the scatter drops.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from paged_jax.attention.chunked_attention import chunked_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 
@@ -26,13 +28,17 @@ class PagedMetadata(NamedTuple):
 
 def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None, backend="reference"):
     """The model's attention_fn for the paged cache: write K/V at the slots, then attend
-    through the block tables with the Pallas kernel (backend "pallas") or the jnp
-    reference ("reference"). q [T, Hq, D]; k, v [T, Hkv, D]."""
+    through the block tables with the Pallas kernel (backend "pallas"), the XLA chunked
+    loop for decode steps and the kernel for the others ("xla", chunked_attention.py) or
+    the jnp reference ("reference").
+    q [T, Hq, D]; k, v [T, Hkv, D]."""
     _, num_blocks, block_size = kv_cache["k"].shape[:3]
     blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-    kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new, mode="drop")
+    kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new.astype(kv_cache[name].dtype), mode="drop")
                 for name, new in (("k", k), ("v", v))}
-    attend = {"pallas": ragged_paged_attention, "reference": ragged_paged_attention_reference}[backend]
+    attend = {"pallas": ragged_paged_attention,
+              "xla": functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention),
+              "reference": ragged_paged_attention_reference}[backend]
     # The kernels take one pool of blocks. Slicing out this layer (`cache[layer]`, a
     # dynamic index) copies it, i.e. the whole cache once per step over the layers
     # (measured: a decode step of 8 sequences took 120 ms with 100 blocks, 360 ms with
@@ -41,6 +47,7 @@ def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_wi
     num_layers = kv_cache["k"].shape[0]
     pool = {name: kv_cache[name].reshape(num_layers * num_blocks, *kv_cache[name].shape[2:]) for name in ("k", "v")}
     tables = meta.block_tables + layer * num_blocks
-    out = attend(q, pool["k"], pool["v"], tables, meta.context_lens, meta.query_start_loc,
+    # the kernels take q in the cache's dtype (bf16 caches: bf16 q, f32 accumulation inside)
+    out = attend(q.astype(pool["k"].dtype), pool["k"], pool["v"], tables, meta.context_lens, meta.query_start_loc,
                  sliding_window=sliding_window)
-    return out, kv_cache
+    return out.astype(q.dtype), kv_cache

@@ -11,7 +11,7 @@ import dataclasses
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "xla", "reference")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
 
@@ -50,7 +50,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
-    attention_backend: str = "auto"  # "pallas" kernel | "reference" jnp | "auto": per platform, measured
+    attention_backend: str = "auto"  # "pallas" kernel | "xla" chunked | "reference" jnp | "auto": per platform
     dtype: str = "float32"  # parameters, activations and KV cache
     seed: int = 0  # seeds requests that give none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences

@@ -33,7 +33,7 @@ class BatchInputs(NamedTuple):
     sample_index: np.ndarray  # i32[S]: index of the token being sampled (keys fold it in)
     copy_src: np.ndarray  # i32[C] copy-on-write sources, padded with 0
     copy_dst: np.ndarray  # i32[C]
-    want_top: np.ndarray  # bool[1]: a row wants top-K logprobs (API logprobs > 0, beam candidates)
+    want_top: np.ndarray  # i32[1]: 1 if a row wants top-K logprobs (API logprobs > 0, beam candidates)
 
 
 def pick_bucket(buckets, n: int) -> int:
@@ -96,7 +96,7 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
         b.temperature[row], b.top_k[row], b.top_p[row], b.min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         b.seeds[row] = seq.seed
         if sp.logprobs:
-            b.want_top[0] = True
+            b.want_top[0] = 1
         b.sample_index[row] = len(seq.output_token_ids)
     b.query_start_loc[num_seqs + 1:] = cursor
     if len(output.block_copies) > max_copies:
@@ -115,4 +115,4 @@ def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int) -> Batch
         logits_indices=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
         seeds=np.zeros(S, np.uint32), sample_index=np.zeros(S, np.int32),
-        copy_src=np.zeros(copies, np.int32), copy_dst=np.zeros(copies, np.int32), want_top=np.zeros(1, np.bool_))
+        copy_src=np.zeros(copies, np.int32), copy_dst=np.zeros(copies, np.int32), want_top=np.zeros(1, np.int32))

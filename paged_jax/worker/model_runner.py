@@ -65,7 +65,7 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder):
-        if config.attention_backend not in ("pallas", "reference"):
+        if config.attention_backend not in ("pallas", "xla", "reference"):
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         self.model_config = model_config
         self.config = config
@@ -128,7 +128,7 @@ class ModelRunner:
         def no_top():
             return jnp.zeros((logits.shape[0], k), jnp.float32), jnp.zeros((logits.shape[0], k), jnp.int32)
 
-        top_logprobs, top_ids = jax.lax.cond(batch.want_top[0], top, no_top)
+        top_logprobs, top_ids = jax.lax.cond(batch.want_top[0] > 0, top, no_top)
         return StepResult(tokens, logprobs, top_ids, top_logprobs), kv_cache
 
     @staticmethod
