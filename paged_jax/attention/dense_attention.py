@@ -39,14 +39,14 @@ def dense_attention(q, k, v, kv_cache, layer, metadata: DenseMetadata, *, slidin
     batch, num_new, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     rows = jnp.arange(batch)[:, None]
-    kv_cache = {name: kv_cache[name].at[layer, rows, metadata.write_positions].set(new, mode="drop")
-                for name, new in (("k", k), ("v", v))}
+    kv_cache = {name: kv_cache[name].at[layer, rows, metadata.write_positions].set(
+        new.astype(kv_cache[name].dtype), mode="drop") for name, new in (("k", k), ("v", v))}
     k_cache, v_cache = kv_cache["k"][layer], kv_cache["v"][layer]
     max_len = k_cache.shape[1]
 
     group = num_heads // num_kv_heads
     qg = q.reshape(batch, num_new, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg.astype(k_cache.dtype), k_cache, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
     key_pos = jnp.arange(max_len)[None, None, :]
     query_pos = metadata.positions[:, :, None]

@@ -51,7 +51,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
     attention_backend: str = "auto"  # "pallas" kernel | "xla" chunked | "reference" jnp | "auto": per platform
-    dtype: str = "float32"  # parameters, activations and KV cache
+    dtype: str = "float32"  # weights ("bfloat16": bf16 weights, f32 accumulation and residual stream)
+    kv_cache_dtype: str = "auto"  # "float32" | "bfloat16" | "auto": dtype's (float32 on CPU: see kv_sizing.py)
     seed: int = 0  # seeds requests that give none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes across requests
@@ -89,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
         if self.swap_space_bytes < 0 or not 0 <= self.watermark < 1:
             raise ValueError("swap_space_bytes must be >= 0 and watermark in [0, 1)")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 1:

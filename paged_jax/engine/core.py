@@ -73,7 +73,7 @@ class EngineCore:
         self.model_config = model_config
         self.config = resolve_config(config, model_config)
         config = self.config
-        block_bytes = bytes_per_block(model_config, config.block_size, config.dtype)
+        block_bytes = bytes_per_block(model_config, config.block_size, config.kv_cache_dtype)
         num_host_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
         if config.kv_allocator == "paged":
             self.block_manager = BlockManager(config.num_blocks, config.block_size, num_host_blocks=num_host_blocks,

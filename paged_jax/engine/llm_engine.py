@@ -11,8 +11,12 @@ text ends its sequence in the core before the next step, so its blocks are freed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+
+import jax
+import jax.numpy as jnp
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
@@ -25,6 +29,14 @@ from paged_jax.loading import LoadedModel, load_model
 from paged_jax.worker.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "completion_seed"]
+
+
+def _with_dtype(loaded: LoadedModel, dtype: str) -> LoadedModel:
+    """A model given as a LoadedModel in another dtype than the engine's runs in the
+    engine's (EngineConfig.dtype names the weights' dtype)."""
+    if loaded.params is None or all(jnp.dtype(a.dtype) == jnp.dtype(dtype) for a in jax.tree.leaves(loaded.params)):
+        return loaded
+    return dataclasses.replace(loaded, params=jax.tree.map(lambda a: a.astype(dtype), loaded.params))
 
 
 class LLMEngine:
@@ -43,6 +55,7 @@ class LLMEngine:
             loaded = tensor_parallel.load_sharded(model, config.dtype, mesh)
         else:
             loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=config.dtype)
+            loaded = _with_dtype(loaded, config.dtype)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         if loaded.model_class is not None:  # a researcher's own Flax decoder (LoadedModel.model_class)
             runner_factory = functools.partial(runner_factory, model_class=loaded.model_class)

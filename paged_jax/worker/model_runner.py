@@ -77,7 +77,9 @@ class ModelRunner:
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
         self.max_copies = config.max_num_seqs
         self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
-        dtype = jnp.dtype(config.dtype)
+        if config.kv_cache_dtype == "auto":
+            raise ValueError("resolve kv_cache_dtype before building the runner")
+        dtype = jnp.dtype(config.kv_cache_dtype)
         self.mesh = mesh  # jax.sharding.Mesh for tensor parallelism, or None (one device)
         if mesh is not None and num_host_blocks and jax.process_count() > 1:
             raise ValueError("multi-host engines preempt by recompute only (each process holds only its heads of a "
