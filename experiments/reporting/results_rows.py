@@ -440,3 +440,5 @@ BUILDERS = {
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}
+# modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
+NEEDS_VLLM_VENV = {"peer_vllm"}
