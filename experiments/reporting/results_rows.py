@@ -99,11 +99,15 @@ def engine_metrics(record: dict) -> list:
                      f"{h['host_ms_per_step']:.1f} ms, {_pct(h['host_fraction_of_step'])} of the step"))
     if "attention_backends" in fig:
         a = fig["attention_backends"]
-        tokens = round(a["pallas"]["output_tokens_per_s"] * a["pallas"]["seconds"])
         interpret = " (interpret mode)" if (record.get("environment") or {}).get("platform") == "cpu" else ""
+        names = {"reference": "reference attention", "pallas": f"Pallas kernel{interpret}",
+                 "xla": "xla (chunked decode loop, kernel for prefill)"}
+        present = [b for b in names if isinstance(a.get(b), dict)]
+        first = a[present[0]]
+        tokens = round(first["output_tokens_per_s"] * first["seconds"])
         rows.append(((f"{model_label(a['model'])} end to end, the attention_backends trace ({tokens} output tokens), "
-                     f"output tok/s: reference attention / Pallas kernel{interpret}"),
-                     f"{a['reference']['output_tokens_per_s']:.1f} / {a['pallas']['output_tokens_per_s']:.1f}"))
+                     f"output tok/s: " + " / ".join(names[b] for b in present)),
+                     " / ".join(f"{a[b]['output_tokens_per_s']:.1f}" for b in present)))
     return rows
 
 

@@ -16,10 +16,9 @@ table; those tokens need no compute. Cached blocks whose last holder is gone sta
 free queue with their key (LRU) and are evicted only when handed out for new contents.
 
 Copy orders. `allocate_slots`, `swap_out` and `swap_in` return `(src, dst)` block-id
-pairs that the runner must execute before the next forward pass. Executing them in the
-order the calls returned them is always correct. The usual batched order (swap-out, then
-swap-in, then copy-on-write) is equivalent as long as one step neither swaps out a
-sequence it has already grown nor swaps in and out in the same step.
+pairs for the runner to execute before the next forward pass, in the order returned, or
+batched (swap-out, swap-in, copy-on-write) when no step swaps out a sequence it grew or
+swaps in and out at once. `table_update` says what changed in a table since last asked.
 """
 
 from __future__ import annotations
@@ -184,13 +183,10 @@ class BlockManager:
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def num_growth_blocks(self, targets: dict[int, int]) -> int:
-        """Device blocks that growing each sequence `s` to `targets[s]` tokens takes: new
-        blocks plus copy-on-write copies, exactly. Only a partly full last block that
-        another table shares is copied, and once per writer but the last holder, who
-        writes in place (so a block shared by r tables, w of them writing, costs
-        min(w, r - 1)). For a swapped group the host ref counts are the group's own, so
-        this is what the group takes beyond `num_swap_in_blocks` once back.
-        """
+        """Device blocks that growing each sequence `s` to `targets[s]` tokens takes, exactly:
+        new blocks, plus a copy of a shared partly full last block per writer but the last
+        holder (r tables sharing it, w writing: min(w, r - 1)). For a swapped group: what
+        it takes beyond `num_swap_in_blocks` once back (its host ref counts are its own)."""
         new, writers = 0, {}  # id(shared partly full block) -> [block, tables writing into it]
         for seq_id, target in targets.items():
             table, current = self._require(seq_id), self._num_tokens[seq_id]
@@ -211,13 +207,12 @@ class BlockManager:
         block's key) and `cache_salt` (in the first block's, so in the whole chain) are
         taken from new sequences only, and must match the lookup that found the hits.
 
-        Blocks are added only when the last one is full (on demand). If the sequence is
-        about to write into a partly full last block that another table shares, that
-        block is first replaced by a fresh private one and the returned list holds the
-        copy order `(src_block_id, dst_block_id)`; a full shared block is never copied
-        (nobody writes into it). Returns None and changes nothing when the device lacks
-        free blocks; no watermark applies here, since running sequences may use it.
-        Shrinking is a ValueError; so is growing a swapped sequence.
+        Blocks are added on demand. A partly full last block that another table shares is
+        replaced by a private copy before the sequence writes into it (the returned list
+        holds the order `(src_block_id, dst_block_id)`; full shared blocks are never
+        copied). Returns None and changes nothing when the device lacks free blocks (no
+        watermark here: running sequences may use it). Shrinking, or growing a swapped
+        sequence, is a ValueError.
         """
         table = self._tables.get(seq_id)
         if table is not None and not cached_blocks and type(num_total_tokens) is int and seq_id not in self._swapped:
@@ -304,20 +299,16 @@ class BlockManager:
             self._salts[child_id] = self._salts[parent_id]
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references (device or host side) and forget it.
-
-        Blocks go to the free queue last block first, so a sequence's tail blocks (the
-        least likely to be shared as a prefix) are the first to be reused.
-        """
+        """Drop the sequence's references (device or host side) and forget it. Blocks go to
+        the free queue last block first: tail blocks, the least likely to be shared as a
+        prefix, are reused first."""
         table = self._require(seq_id)
         pool = self._host if seq_id in self._swapped else self._device
         pool.free_blocks(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
         self._swapped.discard(seq_id)
-        self._keys.pop(seq_id, None)
-        self._extra_keys.pop(seq_id, None)
-        self._salts.pop(seq_id, None)
-        self._changed.pop(seq_id, None)
+        for per_seq in (self._keys, self._extra_keys, self._salts, self._changed):
+            per_seq.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 
@@ -347,15 +338,12 @@ class BlockManager:
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move a swapped group back to device blocks; return `(host_id, device_id)` orders.
 
-        The inverse of `swap_out`: the host blocks are released and, for a group that
-        shared no block with outsiders when swapped out, device ref counts come back
-        equal. Raises ValueError (and changes nothing) if there are fewer free device
-        blocks than the group's distinct blocks (the watermark is `can_swap_in`'s rule).
-        """
+        The inverse of `swap_out` (a group that shared no block with outsiders gets its
+        device ref counts back equal). Raises ValueError, changing nothing, if fewer device
+        blocks are free than the group's distinct blocks (the watermark is can_swap_in's)."""
         return self._move(seq_ids, src=self._host, dst=self._device, to_host=False)
 
-    def _move(self, seq_ids: list[int], *, src: BlockPool, dst: BlockPool,
-              to_host: bool) -> list[tuple[int, int]]:
+    def _move(self, seq_ids: list[int], *, src: BlockPool, dst: BlockPool, to_host: bool) -> list[tuple[int, int]]:
         group = self._group_blocks(seq_ids, swapped=not to_host)
         if len(group) > dst.num_free_blocks:
             side = "host" if to_host else "device"
