@@ -16,21 +16,8 @@ import pytest
 
 from paged_jax.attention.chunked_attention import chunked_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.helpers.kernel_cases import TOLERANCE, balanced_sample, case_id, edge_lengths, make_case
-
-
-def _args(case):
-    return (case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.query_start_loc)
-
-
-def _check(got, case, dtype, **kwargs):
-    got = np.asarray(got, np.float32)
-    assert np.all(np.isfinite(got)), "output has NaN/inf"
-    q, k, v, *meta = _args(case)
-    with jax.default_matmul_precision("highest"):
-        want = ragged_paged_attention_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), *meta, **kwargs)
-    np.testing.assert_allclose(got, np.asarray(want), **TOLERANCE[dtype])
-    assert not got[case.query_start_loc[-1]:].any(), "padding tokens must give zeros"
+from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, edge_lengths,
+                                        make_case, ragged_args)
 
 
 _CASES = balanced_sample(
@@ -69,7 +56,7 @@ def test_decode_batches_match_the_reference(index):
     case, kwargs = _case(index, c)
     attend = jax.jit(functools.partial(chunked_decode_attention, otherwise=_nan, chunk_blocks=c["chunk_blocks"],
                                        **kwargs))
-    _check(attend(*_args(case)), case, c["dtype"], **kwargs)
+    assert_matches_ragged_reference(attend(*ragged_args(case)), case, c["dtype"], **kwargs)
 
 
 def test_batches_with_a_prefill_chunk_go_to_otherwise():

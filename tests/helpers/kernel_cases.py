@@ -93,3 +93,21 @@ DEFAULT_MODE = mode(DEFAULT_BACKEND)
 TOLERANCE = {np.float32: dict(atol=2e-5, rtol=1e-5),
               # bf16 inputs: the kernel rounds p to bf16 before p @ V and the output to bf16
               jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def ragged_args(case: PagedCase) -> tuple:
+    """The positional arguments of the ragged kernel, its reference and the xla loop."""
+    return (case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.query_start_loc)
+
+
+def assert_matches_ragged_reference(got, case: PagedCase, dtype, **kwargs) -> None:
+    """got vs the ragged reference on the same inputs upcast to f32 (the exact answer for
+    them; full f32 matmuls, which a GPU would otherwise run in TF32); padding tokens give 0."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+    got = np.asarray(got, np.float32)
+    assert np.all(np.isfinite(got)), "output has NaN/inf"
+    q, k, v, *meta = ragged_args(case)
+    with jax.default_matmul_precision("highest"):
+        want = ragged_paged_attention_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), *meta, **kwargs)
+    np.testing.assert_allclose(got, np.asarray(want), **TOLERANCE[dtype])
+    assert not got[case.query_start_loc[-1]:].any(), "padding tokens must give zeros"

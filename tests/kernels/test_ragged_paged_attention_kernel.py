@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from tests.helpers.kernel_cases import DEFAULT_BACKEND as _DEFAULT_BACKEND
 from tests.helpers.kernel_cases import DEFAULT_MODE as _DEFAULT_MODE
-from tests.helpers.kernel_cases import TOLERANCE as _TOLERANCE
-from tests.helpers.kernel_cases import balanced_sample, case_id, edge_lengths, make_case
+from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, edge_lengths,
+                                        make_case, ragged_args)
 from tests.helpers.kernel_cases import mode as _mode
 from test_ragged_paged_attention_reference import _numpy_oracle
 
@@ -31,20 +31,7 @@ from pallas_kernels.ragged_paged_attention import (
 )
 
 
-def _args(case):
-    return (case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.query_start_loc)
-
-
-def _check(got, case, dtype, **kwargs):
-    """got vs the reference on the same inputs upcast to f32 (the exact answer for them;
-    full f32 matmuls, which a GPU would otherwise run in TF32); padding tokens give 0."""
-    got = np.asarray(got, np.float32)
-    assert np.all(np.isfinite(got)), "kernel output has NaN/inf"
-    q, k, v, *meta = _args(case)
-    with jax.default_matmul_precision("highest"):
-        want = ragged_paged_attention_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), *meta, **kwargs)
-    np.testing.assert_allclose(got, np.asarray(want), **_TOLERANCE[dtype])
-    assert not got[case.query_start_loc[-1]:].any(), "padding tokens must give zeros"
+_args, _check = ragged_args, assert_matches_ragged_reference
 
 
 def _run(*args, backend=None, interpret=None, **kwargs):
