@@ -11,10 +11,10 @@ heads, as batched einsums. SmolLM2 decode at context 256, all 30 layers
 (`python -m experiments.step_profile`): 24 / 73 / 232 ms at 8 / 32 / 64 rows against
 31 / 98 / 250 ms for the Pallas kernel in interpret mode.
 
-A step with a prefill chunk goes to `otherwise` (the engine passes the Pallas kernel):
-done per query token, this loop gathered a chunk per token, and end to end on a
-prefill-heavy trace it was 2.3x slower than the kernel, which tiles a sequence's query
-tokens over one gather. Which of the two runs is decided inside the step (`lax.cond`),
+A step with a prefill chunk goes to `otherwise` (the engine passes the Pallas kernel): a
+first version ran such steps through this loop per query token, gathering a chunk per
+token, and was far slower end to end on a prefill-heavy trace than the kernel, which
+tiles a sequence's query tokens over one gather. Which of the two runs is decided inside the step (`lax.cond`),
 since both kinds of step share padded shapes.
 """
 
