@@ -16,8 +16,8 @@ import pytest
 
 from paged_jax.attention.chunked_attention import chunked_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, edge_lengths,
-                                        make_case, ragged_args)
+from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id,
+                                        grid_context_lens, make_case, ragged_args)
 
 
 _CASES = balanced_sample(
@@ -30,12 +30,7 @@ def _case(index, c):
     without a query this step."""
     rng = np.random.default_rng(2000 + index)
     block_size = c["block_size"]
-    max_blocks = -(-130 // block_size)
-    max_len = max_blocks * block_size
-    edges = edge_lengths(block_size, max_len)
-    lens = [edges[(index + i) % len(edges)] if i < len(edges) else int(rng.integers(1, max_len + 1))
-            for i in range(c["num_seqs"])]
-    lens[0] = lens[0] or max_len
+    lens, max_blocks = grid_context_lens(rng, index, block_size, c["num_seqs"])
     q_lens = [min(n, 1) if i != 1 else 0 for i, n in enumerate(lens)]
     case = make_case(rng, context_lens=lens, q_lens=q_lens, num_heads=c["group"] * 2, num_kv_heads=2,
                      head_dim=c["head_dim"], block_size=block_size, max_blocks_per_seq=max_blocks,

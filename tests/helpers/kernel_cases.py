@@ -59,6 +59,19 @@ def make_case(rng: np.random.Generator, *, context_lens, q_lens=None, num_heads:
     return PagedCase(q.astype(dtype), k.astype(dtype), v.astype(dtype), tables, context_lens, qsl)
 
 
+def grid_context_lens(rng: np.random.Generator, index: int, block_size: int, num_seqs: int,
+                      max_tokens: int = 130) -> tuple[list[int], int]:
+    """(context lengths, max_blocks_per_seq) of grid case `index`: the block edges (0, 1,
+    B-1, B, B+1, the maximum) in turn, then random lengths; never an empty batch."""
+    max_blocks = -(-max_tokens // block_size)
+    max_len = max_blocks * block_size
+    edges = edge_lengths(block_size, max_len)
+    lens = [edges[(index + i) % len(edges)] if i < len(edges) else int(rng.integers(1, max_len + 1))
+            for i in range(num_seqs)]
+    lens[0] = lens[0] or max_len
+    return lens, max_blocks
+
+
 def balanced_sample(num_cases: int, seed: int, **factors) -> list[dict]:
     """num_cases combinations in which every value of every factor appears about equally
     often (each factor's values repeated, then shuffled independently)."""

@@ -21,7 +21,7 @@ import pytest
 from tests.helpers.kernel_cases import DEFAULT_BACKEND as _DEFAULT_BACKEND
 from tests.helpers.kernel_cases import DEFAULT_MODE as _DEFAULT_MODE
 from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, edge_lengths,
-                                        make_case, ragged_args)
+                                        grid_context_lens, make_case, ragged_args)
 from tests.helpers.kernel_cases import mode as _mode
 from test_ragged_paged_attention_reference import _numpy_oracle
 
@@ -111,12 +111,7 @@ def _ragged_case(index, c, *, num_kv_heads=2):
     whole context (when short) or no query at all; 0..3 padding tokens at the end."""
     rng = np.random.default_rng(1000 + index)
     block_size = c["block_size"]
-    max_blocks = -(-130 // block_size)
-    max_len = max_blocks * block_size
-    edges = edge_lengths(block_size, max_len)
-    lens = [edges[(index + i) % len(edges)] if i < len(edges) else int(rng.integers(1, max_len + 1))
-            for i in range(c["num_seqs"])]
-    lens[0] = lens[0] or max_len  # never an empty batch
+    lens, max_blocks = grid_context_lens(rng, index, block_size, c["num_seqs"])
     q_lens = []
     for i, n in enumerate(lens):
         kind = (index + i) % 5
