@@ -6,8 +6,9 @@ decode token). Its keys and values live in the paged cache, block b of the seque
 physical block block_tables[i, b]. Attention is causal within the sequence.
 
 Where the pieces live. This file holds the contract: `ragged_paged_attention_reference`,
-pure jnp (gather each token's blocks through the block table, dense masked softmax), the
-ground truth and the engine's "reference" attention backend; and
+pure jnp (each token gathers its blocks through the block table a chunk at a time, f32
+online softmax, so memory follows the batch's context, not max_model_len), the ground
+truth and the engine's "reference" attention backend; and
 `ragged_paged_attention`, the jitted public function, which checks shapes and picks a
 backend. Each kernel variant has a file of its own, laid out kernel body, then its
 pallas_call wrapper; ragged_tiling.py cuts the batch into query tiles for all of them:
@@ -39,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu_call
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu_call
@@ -66,6 +68,10 @@ def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_start_l
             raise ValueError(f"{name} must be an integer array, got {arr.dtype}")
 
 
+# keys per step of the reference's loop (rounded to whole blocks, at least one)
+REFERENCE_CHUNK_TOKENS = 128
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
                                      sm_scale=None, sliding_window=None, soft_cap=None):
@@ -79,12 +85,21 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, context_
     sm_scale defaults to head_dim ** -0.5; sliding_window W keeps keys with
     position > query position - W; soft_cap c maps scores s to c * tanh(s / c).
     Returns [num_tokens, num_heads, head_dim] in q's dtype.
+
+    Why a loop: gathering every token's whole table at once materializes
+    [num_tokens, max_blocks_per_seq * block_size, ...] (~0.8 GB f32 per layer for a
+    256-token chunk at max_model_len 2048). Instead each query token gathers its table
+    REFERENCE_CHUNK_TOKENS keys (whole blocks) at a time, for ceil(max(context_lens) /
+    chunk) steps, combined by an f32 online softmax (running max m, denominator l,
+    accumulator acc): memory is bounded by one chunk, time by the batch's context, and
+    neither by max_model_len.
     """
     _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    group = num_heads // num_kv_heads
 
     token = jnp.arange(num_tokens)
     seq = jnp.searchsorted(query_start_loc[1:], token, side="right")  # the sequence owning each token
@@ -92,31 +107,46 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, context_
     seq = jnp.minimum(seq, num_seqs - 1)
     # position of each query token inside its sequence: the q_len new tokens end the context
     position = context_lens[seq] - (query_start_loc[seq + 1] - token)
+    context = context_lens[seq]
 
-    tables = block_tables[seq]  # [T, max_blocks]
-    keys = k_cache[tables].reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
-    values = v_cache[tables].reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
-    group = num_heads // num_kv_heads
+    chunk_blocks = min(max_blocks, max(1, REFERENCE_CHUNK_TOKENS // block_size))
+    chunk = chunk_blocks * block_size
+    num_chunks = -(-max_blocks // chunk_blocks)
+    # whole chunks (the padding entries lie past every context: masked, never used)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_blocks - max_blocks)))
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    key_pos = jnp.arange(max_blocks * block_size)[None, :]
-    # slots past the context (table padding, the last block's tail) may hold anything, NaN
-    # included: mask them out of the scores and zero them in the values
-    in_context = key_pos < context_lens[seq][:, None]
-    values = jnp.where(in_context[:, :, None, None], values, 0)
-    mask = (key_pos <= position[:, None]) & valid[:, None] & in_context
-    if sliding_window is not None:
-        mask &= key_pos > position[:, None] - sliding_window
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)  # fully masked rows (padding) give zeros
-    out = jnp.einsum("tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
+    def step(c, carry):
+        m, l, acc = carry
+        ids = lax.dynamic_slice_in_dim(tables, c * chunk_blocks, chunk_blocks, axis=1)[seq]  # [T, chunk_blocks]
+        keys = k_cache[ids].reshape(num_tokens, chunk, num_kv_heads, head_dim)
+        values = v_cache[ids].reshape(num_tokens, chunk, num_kv_heads, head_dim)
+        key_pos = c * chunk + jnp.arange(chunk)[None, :]
+        # slots past the context (table padding, the last block's tail) may hold anything, NaN
+        # included: mask them out of the scores and zero them in the values
+        in_context = key_pos < context[:, None]
+        values = jnp.where(in_context[:, :, None, None], values, 0)
+        mask = (key_pos <= position[:, None]) & valid[:, None] & in_context
+        if sliding_window is not None:
+            mask &= key_pos > position[:, None] - sliding_window
+        scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+        probs = jnp.where(mask[:, None, None, :], jnp.exp(scores - m_safe[..., None]), 0.0)
+        correction = jnp.exp(m - m_safe)  # 0 while m is -inf
+        pv = jnp.einsum("tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        return m_new, l * correction + jnp.sum(probs, axis=-1), acc * correction[..., None] + pv
+
+    shape = (num_tokens, num_kv_heads, group)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+    steps = jnp.minimum((jnp.max(context_lens, initial=0) + chunk - 1) // chunk, num_chunks)
+    _, l, acc = lax.fori_loop(0, steps, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # fully masked rows (padding) give zeros
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "backend"))
