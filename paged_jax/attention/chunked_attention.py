@@ -1,4 +1,4 @@
-"""Decode attention in plain XLA, bounded by the batch's real context: the fast CPU path.
+"""Decode attention in plain XLA, bounded by the batch's real context (backend "xla").
 
 Same contract as `pallas_kernels.ragged_paged_attention_reference` (a ragged batch; K/V
 read through the block tables; slots past a context may hold anything, NaN included).
@@ -7,9 +7,9 @@ sequence's table a chunk of `chunk_blocks` blocks at a time with an f32 online s
 in a `lax.fori_loop` whose trip count is the batch's longest context divided by the
 chunk, a traced value: the step stays one compiled shape, and a step whose sequences are
 short reads only their blocks. One gather of a sequence's chunk serves all its query
-heads, as batched einsums. SmolLM2 decode at context 256, all 30 layers
-(`python -m experiments.step_profile`): 24 / 73 / 232 ms at 8 / 32 / 64 rows against
-31 / 98 / 250 ms for the Pallas kernel in interpret mode.
+heads, as batched einsums. It still copies each gathered chunk before its dots (XLA on CPU
+fuses no gather into a dot), which is why the native C++ kernel (cpu_kernels/, backend
+"native") is the CPU default: `python -m experiments.step_profile` times all four.
 
 A step with a prefill chunk goes to `otherwise` (the engine passes the Pallas kernel): a
 first version ran such steps through this loop per query token, gathering a chunk per

@@ -1,6 +1,7 @@
 """The model's attention_fn on the paged KV cache: write the new K/V at their slots, then
-attend through the block tables with the Pallas kernel, its jnp reference
-(pallas_kernels/ragged_paged_attention.py) or the XLA chunked loop (chunked_attention.py).
+attend through the block tables with the C++ CPU kernel (cpu_kernels/), the Pallas kernel,
+its jnp reference (pallas_kernels/ragged_paged_attention.py) or the XLA chunked loop
+(chunked_attention.py).
 
 The cache layout is paged_jax/worker/kv_cache.py's: {"k", "v"}, each
 [num_layers, num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of a
@@ -15,6 +16,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
+from cpu_kernels.write_kv import write_kv
 from paged_jax.attention.chunked_attention import chunked_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
@@ -28,15 +31,20 @@ class PagedMetadata(NamedTuple):
 
 def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None, backend="reference"):
     """The model's attention_fn for the paged cache: write K/V at the slots, then attend
-    through the block tables with the Pallas kernel (backend "pallas"), the XLA chunked
+    through the block tables with the C++ CPU kernel (backend "native",
+    cpu_kernels/ragged_paged_attention.cc), the Pallas kernel ("pallas"), the XLA chunked
     loop for decode steps and the kernel for the others ("xla", chunked_attention.py) or
     the jnp reference ("reference").
     q [T, Hq, D]; k, v [T, Hkv, D]."""
     _, num_blocks, block_size = kv_cache["k"].shape[:3]
-    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-    kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new.astype(kv_cache[name].dtype), mode="drop")
-                for name, new in (("k", k), ("v", v))}
-    attend = {"pallas": ragged_paged_attention,
+    if backend == "native":  # in place in any dtype (XLA's CPU scatter has no bf16 path)
+        kv_cache = {name: write_kv(kv_cache[name], new, meta.slot_mapping, layer) for name, new in (("k", k), ("v", v))}
+    else:
+        blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new.astype(kv_cache[name].dtype), mode="drop")
+                    for name, new in (("k", k), ("v", v))}
+    attend = {"native": ragged_paged_attention_cpu,
+              "pallas": ragged_paged_attention,
               "xla": functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention),
               "reference": ragged_paged_attention_reference}[backend]
     # The kernels take one pool of blocks. Slicing out this layer (`cache[layer]`, a

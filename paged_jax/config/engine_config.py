@@ -11,7 +11,8 @@ import dataclasses
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
-ATTENTION_BACKENDS = ("auto", "pallas", "xla", "reference")
+ATTENTION_BACKENDS = ("auto", "native", "pallas", "xla", "reference")
+LAYER_LOOPS = ("auto", "unroll", "scan")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
 
@@ -50,9 +51,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
-    attention_backend: str = "auto"  # "pallas" kernel | "xla" chunked | "reference" jnp | "auto": per platform
+    attention_backend: str = "auto"  # "native" CPU kernel | "pallas" kernel | "xla" chunked | "reference" jnp | "auto"
+    layer_loop: str = "auto"  # "unroll" (per-layer weights, a Python loop) | "scan" | "auto": unroll on CPU
     dtype: str = "float32"  # weights ("bfloat16": bf16 weights, f32 accumulation and residual stream)
-    kv_cache_dtype: str = "auto"  # "float32" | "bfloat16" | "auto": dtype's (float32 on CPU: see kv_sizing.py)
+    kv_cache_dtype: str = "auto"  # "float32" | "bfloat16" | "auto": dtype's (f32 on CPU unless attention is native)
     seed: int = 0  # seeds requests that give none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new sequences
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes across requests
@@ -88,6 +90,8 @@ class EngineConfig:
             object.__setattr__(self, "enable_prefix_caching", False)  # contiguous baselines share nothing
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):

@@ -18,13 +18,16 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.worker.kv_cache import bytes_per_block
 
 
-def auto_kv_cache_dtype(dtype: str, platform: str) -> str:
+def auto_kv_cache_dtype(dtype: str, platform: str, attention_backend: str) -> str:
     """The KV cache's dtype for kv_cache_dtype="auto": the weights' dtype, except bf16 on
-    CPU, where XLA has no native bf16 scatter: writing a step's K/V into a bf16 cache
-    converted the whole cache to f32 and back (a one-off measurement here: 64 tokens into a
-    40 MB cache took 40 ms, against 0.02 ms in f32), so a CPU cache stays f32 (twice the
-    bytes per block)."""
-    return "float32" if platform == "cpu" else dtype
+    CPU with an XLA write path: XLA has no native bf16 scatter, and writing a step's K/V
+    into a bf16 cache converted the whole cache to f32 and back (a one-off measurement here:
+    256 rows into a 30-layer SmolLM2 cache took 245 ms, against 0.02 ms in f32), so such a cache stays f32 (twice the
+    bytes per block). The "native" backend writes rows in place in either dtype
+    (cpu_kernels/write_kv.cc; 0.02 ms for the same write in that measurement)."""
+    if platform == "cpu" and attention_backend != "native":
+        return "float32"
+    return dtype
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
@@ -34,19 +37,26 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
+    platform = jax.default_backend()
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = auto_attention_backend(platform)
+    if backend == "native" and platform != "cpu":
+        raise ValueError(f"attention_backend='native' is the CPU kernel (cpu_kernels/); this is a {platform} "
+                         "machine: use 'pallas' or 'reference'")
     kv_dtype = config.kv_cache_dtype
     if kv_dtype == "auto":
-        kv_dtype = auto_kv_cache_dtype(config.dtype, jax.default_backend())
+        kv_dtype = auto_kv_cache_dtype(config.dtype, platform, backend)
     num_blocks = config.num_blocks
     if num_blocks is None:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
         num_blocks = budget // bytes_per_block(model_config, config.block_size, kv_dtype,
                                                config.tensor_parallel_size)  # the budget is per device
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = auto_attention_backend(jax.default_backend())
+    layer_loop = config.layer_loop
+    if layer_loop == "auto":  # unrolled on CPU: XLA CPU's fast bf16 dots (decoder.py, unroll_layers)
+        layer_loop = "unroll" if platform == "cpu" else "scan"
     return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
-                               attention_backend=backend, kv_cache_dtype=kv_dtype)
+                               attention_backend=backend, kv_cache_dtype=kv_dtype, layer_loop=layer_loop)
 
 
 def check_capacity(config: EngineConfig, bm) -> None:

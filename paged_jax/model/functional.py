@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.config.model_config import ModelConfig
@@ -55,3 +56,17 @@ def check_params(expected: Params, params: Any, what: str = "params") -> None:
 
 def _name(path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with `layers` as a tuple of per-layer dicts (one array per layer and name):
+    the serving layout of an unrolled step (`LlamaDecoder(..., unroll_layers=True)`)."""
+    layers = params["layers"]
+    num_layers = len(next(iter(jax.tree.leaves(layers))))
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))}
+
+
+def restack_layers(params: Params) -> Params:
+    """unstack_layers undone, inside jit: the module takes stacked layers. XLA folds each
+    static slice of the stack back into the per-layer array, so nothing is copied."""
+    return {**params, "layers": jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *params["layers"])}

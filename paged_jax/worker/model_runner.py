@@ -25,6 +25,7 @@ shardings are pinned so the donated cache never moves. Without one, nothing chan
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from typing import Callable, Mapping, NamedTuple
 
@@ -40,7 +41,7 @@ from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
 from paged_jax.model.decoder import LlamaDecoder
-from paged_jax.model.functional import check_params, split_model
+from paged_jax.model.functional import check_params, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import Params
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
@@ -65,13 +66,18 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder):
-        if config.attention_backend not in ("pallas", "xla", "reference"):
+        if config.attention_backend not in ("native", "pallas", "xla", "reference"):
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
+        if config.layer_loop not in ("unroll", "scan"):
+            raise ValueError(f"resolve layer_loop {config.layer_loop!r} before building the runner")
+        # a Python loop over per-layer weights (LlamaDecoder's unroll_layers) where the class's call takes it
+        self.unroll_layers = (config.layer_loop == "unroll"
+                              and "unroll_layers" in inspect.signature(model_class.__call__).parameters)
         self.model_config = model_config
         self.config = config
         self.graphdef, param_shapes = split_model(model_class, model_config)
         check_params(param_shapes, params, f"params for {model_class.__name__}")
-        self.params = params
+        self.params = unstack_layers(params) if self.unroll_layers else params
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -111,8 +117,12 @@ class ModelRunner:
                                       backend=self.config.attention_backend)
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
-        model = nnx.merge(self.graphdef, params)
-        hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention)
+        if self.unroll_layers:
+            model = nnx.merge(self.graphdef, restack_layers(params))
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True)
+        else:
+            model = nnx.merge(self.graphdef, params)
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention)
         logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)

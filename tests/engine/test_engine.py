@@ -71,7 +71,8 @@ CASES = [
     pytest.param(16, 60, True, "swap", 96, "reference", id="bs16-tight-chunked-swap"),
     pytest.param(32, 30, False, "recompute", 512, "reference", id="bs32-tight-whole-prefill-recompute"),
     pytest.param(16, 60, True, "swap", 96, "pallas", id="bs16-tight-chunked-swap-pallas"),
-    pytest.param(8, 110, False, "recompute", 512, "pallas", id="bs8-tight-whole-prefill-recompute-pallas"),
+    pytest.param(16, 60, True, "swap", 96, "native", id="bs16-tight-chunked-swap-native"),
+    pytest.param(8, 110, False, "recompute", 512, "native", id="bs8-tight-whole-prefill-recompute-native"),
 ]
 
 

@@ -23,8 +23,9 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
+    # two step shapes only: SmolLM2's 30 unrolled layers compile for several seconds per shape
     return LLM(smollm2, block_size=16, num_blocks=48, max_model_len=256, max_num_seqs=4,
-               max_num_batched_tokens=64)
+               max_num_batched_tokens=64, seq_buckets=(4,), token_buckets=(4, 64))
 
 
 def test_greedy_text_equals_reference(llm, smollm2):

@@ -17,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paged_jax.entrypoints.openai.uvicorn_server import BackgroundServer
 
+# layer_loop "scan": these tests are about the API, and SmolLM2's 30 layers unrolled (the
+# CPU default, which the engine tests run) compile for several seconds longer per shape
 SETTINGS = dict(block_size=16, num_blocks=160, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
-                seq_buckets=(4, 16), token_buckets=(16, 64, 128))
+                seq_buckets=(4, 16), token_buckets=(16, 64, 128), layer_loop="scan")
 MODEL = "smollm2-135m"
 API_KEY = "test-key"
 MAX_BODY = 64 * 1024

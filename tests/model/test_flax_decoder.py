@@ -14,7 +14,7 @@ import configs
 from paged_jax.attention.dense_attention import DenseMetadata, dense_attention, init_dense_cache
 from paged_jax.config.model_config import ModelConfig, RopeScaling
 from paged_jax.model.decoder import DecoderLayer, LlamaDecoder
-from paged_jax.model.functional import check_params, params_of, split_model
+from paged_jax.model.functional import check_params, params_of, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import init_params, param_shapes
 
 PRESETS = ["tiny_llama", "tiny_llama_untied", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "smollm2_135m"]
@@ -119,6 +119,28 @@ def test_scan_equals_layers_one_by_one(name):
     params = init_params(cfg, jax.random.key(4))
     np.testing.assert_allclose(_logits(LlamaDecoder, cfg, params, TOKENS), _logits(_Unrolled, cfg, params, TOKENS),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_serving_layout_equals_the_scan():
+    """The runner's CPU layout: per-layer arrays (unstack_layers), restacked inside jit and
+    run with unroll_layers=True, gives the scan's logits."""
+    cfg = dataclasses.replace(_config("all_switches"), num_layers=3)
+    params = init_params(cfg, jax.random.key(5))
+    graphdef, _ = split_model(LlamaDecoder, cfg)
+    per_layer = unstack_layers(params)
+    assert len(per_layer["layers"]) == 3 and per_layer["layers"][1]["wq"].shape == params["layers"]["wq"].shape[1:]
+
+    @jax.jit
+    def run(per_layer, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        cache = init_dense_cache(cfg, tokens.shape[0], tokens.shape[1], jnp.float32)
+        model = nnx.merge(graphdef, restack_layers(per_layer))
+        attention = functools.partial(dense_attention, sliding_window=cfg.sliding_window)
+        hidden, _ = model(tokens, positions, cache, DenseMetadata(positions, positions), attention, unroll_layers=True)
+        return model.compute_logits(hidden)
+
+    np.testing.assert_allclose(np.asarray(run(per_layer, jnp.asarray(TOKENS, jnp.int32))),
+                               _logits(LlamaDecoder, cfg, params, TOKENS), rtol=1e-5, atol=1e-5)
 
 
 def test_one_layer_by_hand():

@@ -1,0 +1,1 @@
+"""Native CPU kernels, built from C++ source on first use (an XLA FFI custom call each)."""

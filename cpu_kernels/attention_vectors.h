@@ -1,0 +1,184 @@
+// The vector pieces of the CPU attention kernel (ragged_paged_attention.cc): limits, the
+// bf16 -> f32 load, a vectorizable exp, and where the compiler targets AVX-512
+// (-march=native on such a CPU) the hand-vectorized loops; the portable loops in the
+// kernel serve every other machine.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace paged_jax_cpu {
+
+constexpr int kTileTokens = 8;  // query tokens per work item: each key row loaded serves all of them
+constexpr int kMaxRows = 64;    // kTileTokens * query heads per KV head (GQA group) at most
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxBlockSize = 256;
+constexpr int kLanes = 16;  // keys scored at once (one AVX-512 register of f32)
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) {  // bfloat16 -> float: the top half of an f32
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), written so GCC vectorizes it under
+// `omp simd`: 2^n * e^y with n = round(x log2 e), |y| <= ln2 / 2, e^y by its degree-6
+// Taylor polynomial (relative error < 2e-7); x below -87 gives 0.
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504f;
+  const float n = std::floor(t + 0.5f);
+  const float y = (t - n) * 0.693147181f;
+  float p = 1.0f / 720;
+  p = p * y + 1.0f / 120;
+  p = p * y + 1.0f / 24;
+  p = p * y + 1.0f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+#if defined(__AVX512F__)
+// Native vectors where the compiler targets AVX-512 (-march=native on such a CPU); the
+// portable loops below serve every other machine.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 f32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// out[j] = sum of v[j]'s 16 lanes, for j < 16, as one vector: a transpose-and-add tree
+// (pairs of keys, then pairs of pairs within each 128-bit chunk, then across chunks).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // chunk lanes [a0+a2, b0+b2, a1+a3, b1+b3] for keys 2i, 2i+1
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // chunk lanes: keys 4i..4i+3, each summed over the chunk's 4 lanes
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out[0..16) = q . key_j for 16 consecutive keys (row j at keys + j * stride); D % 16 == 0.
+template <typename T>
+inline void score16(const float* q, const T* keys, int64_t stride, int64_t D, float* out) {
+  __m512 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += kLanes) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_fmadd_ps(qc, load16(keys + j * stride + c), acc[j]);
+  }
+  _mm512_storeu_ps(out, sum_lanes16(acc));
+}
+#endif
+
+#if defined(__AVX512F__)
+// s[rows[i]][jc + 0..16) = q[rows[i]] . keys jc..jc+16, for N <= 8 rows at once (N
+// independent FMA chains per transposed key row kt[d][...], loaded once for all of them).
+template <int N>
+inline void score_transposed(const float (*q)[kMaxHeadDim], const float* kt, int64_t kt_stride, int64_t D,
+                             const int* rows, float (*s)[kMaxBlockSize + kLanes], int32_t jc) {
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kd = _mm512_loadu_ps(kt + d * kt_stride);
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[rows[i]][d]), kd, acc[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(&s[rows[i]][jc], acc[i]);
+}
+
+// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, scaled by 2^n with scalef.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// One row's block of scores row[j0, j1) -> softmax weights exp(s - m_new) on [a, e), 0
+// elsewhere; returns m_new = max(m_old, max of row[a, e)) and adds the weights to *sum.
+inline float softmax_weights16(float* row, int32_t j0, int32_t j1, int32_t a, int32_t e, float m_old, float* sum) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int32_t first = j0 / kLanes * kLanes;
+  auto visible = [&](int32_t jc) {
+    const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(jc));
+    return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(a)) &
+                                  _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(e)));
+  };
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int32_t jc = first; jc < j1; jc += kLanes)
+    vmax = _mm512_mask_max_ps(vmax, visible(jc), vmax, _mm512_loadu_ps(row + jc));
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int32_t jc = first; jc < j1; jc += kLanes) {
+    const __m512 w = _mm512_maskz_mov_ps(
+        visible(jc), exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + jc), _mm512_set1_ps(m_new))));
+    _mm512_storeu_ps(row + jc, w);
+    vsum = _mm512_add_ps(vsum, w);
+  }
+  *sum += _mm512_reduce_add_ps(vsum);
+  return m_new;
+}
+
+// out1 += sum_j w1[j] v_j and out2 += sum_j w2[j] v_j over keys [a, e) (v_j at vrows + j *
+// stride), 64 dims at a time; out2 null: one row. D % 64 == 0.
+inline void pv2(float* out1, float* out2, const float* w1, const float* w2, const float* vrows, int64_t stride,
+                int64_t D, int32_t a, int32_t e) {
+  for (int64_t c = 0; c < D; c += 4 * kLanes) {
+    __m512 x[4], y[4];
+    for (int k = 0; k < 4; ++k) {
+      x[k] = _mm512_loadu_ps(out1 + c + k * kLanes);
+      y[k] = out2 ? _mm512_loadu_ps(out2 + c + k * kLanes) : _mm512_setzero_ps();
+    }
+    for (int32_t j = a; j < e; ++j) {
+      const float* vj = vrows + j * stride + c;
+      const __m512 p1 = _mm512_set1_ps(w1[j]), p2 = _mm512_set1_ps(out2 ? w2[j] : 0.0f);
+      for (int k = 0; k < 4; ++k) {
+        const __m512 vk = _mm512_loadu_ps(vj + k * kLanes);
+        x[k] = _mm512_fmadd_ps(p1, vk, x[k]);
+        y[k] = _mm512_fmadd_ps(p2, vk, y[k]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm512_storeu_ps(out1 + c + k * kLanes, x[k]);
+      if (out2) _mm512_storeu_ps(out2 + c + k * kLanes, y[k]);
+    }
+  }
+}
+
+using ScoreFn = void (*)(const float (*)[kMaxHeadDim], const float*, int64_t, int64_t, const int*,
+                         float (*)[kMaxBlockSize + kLanes], int32_t);
+constexpr ScoreFn kScoreTransposed[9] = {nullptr,
+                                         score_transposed<1>,
+                                         score_transposed<2>,
+                                         score_transposed<3>,
+                                         score_transposed<4>,
+                                         score_transposed<5>,
+                                         score_transposed<6>,
+                                         score_transposed<7>,
+                                         score_transposed<8>};
+#endif
+
+}  // namespace paged_jax_cpu

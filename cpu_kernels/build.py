@@ -1,0 +1,107 @@
+"""Compile the C++ kernels once per machine and register them with XLA.
+
+Why built here and not shipped as a wheel: the kernels are a few hundred lines that a
+researcher should be able to edit and rerun, and they are compiled for this CPU
+(`-march=native`: AVX-512 where the machine has it). The shared library lands in
+~/.cache/paged_jax/cpu_kernels (or $PAGED_JAX_CACHE_DIR/cpu_kernels), named by a hash of the
+source, the compiler command and the CPU's feature flags, so an edit, another compiler or
+another machine gets its own build; the first call compiles (about 2 s), later ones load.
+`available()` says whether the kernels can run here (a C++ compiler and jaxlib's FFI
+headers); the engine's "auto" attention backend uses it to choose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+SOURCES = ("ragged_paged_attention.cc", "write_kv.cc")
+HEADERS = ("attention_vectors.h",)
+TARGETS = {  # FFI target name -> symbol in the library
+    "paged_jax_ragged_paged_attention_f32": "RaggedPagedAttentionF32",
+    "paged_jax_ragged_paged_attention_bf16": "RaggedPagedAttentionBF16",
+    "paged_jax_write_kv_f32": "WriteKvF32",
+    "paged_jax_write_kv_bf16": "WriteKvBF16",
+}
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernels cannot be built or loaded on this machine (the message says why)."""
+
+
+def cache_dir() -> str:
+    root = os.environ.get("PAGED_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "paged_jax"))
+    return os.path.join(root, "cpu_kernels")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile_command(compiler: str, include_dir: str, sources: list[str], output: str) -> list[str]:
+    return [compiler, *FLAGS, f"-I{include_dir}", *sources, "-o", output]
+
+
+@functools.cache
+def library_path() -> str:
+    """The built shared library (compiling it first if this machine has none yet)."""
+    import jax.ffi
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise NativeKernelError(f"no C++ compiler {compiler!r} on PATH (set $CXX, or use another attention backend)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = [os.path.join(here, name) for name in SOURCES]
+    digest = hashlib.sha256()
+    for path in sources + [os.path.join(here, name) for name in HEADERS]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(" ".join(_compile_command(compiler, "", [], "")).encode())
+    digest.update(_cpu_flags().encode() + platform.machine().encode())
+    out_dir = cache_dir()
+    target = os.path.join(out_dir, f"paged_jax_cpu_kernels_{digest.hexdigest()[:16]}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=out_dir)  # then an atomic rename: concurrent builds are safe
+    os.close(fd)
+    command = _compile_command(compiler, jax.ffi.include_dir(), sources, partial)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        os.unlink(partial)
+        raise NativeKernelError(f"building the CPU kernels failed ({' '.join(command)}):\n{result.stderr[-4000:]}")
+    os.replace(partial, target)
+    return target
+
+
+@functools.cache
+def register() -> None:
+    """Build (if needed), load and register every FFI target for the CPU platform."""
+    import jax.ffi
+    library = ctypes.cdll.LoadLibrary(library_path())
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+@functools.cache
+def available() -> bool:
+    """True if the kernels are built and registered (or can be, now). False, with a
+    warning that says why (once), where they cannot be: the caller then takes another
+    implementation."""
+    try:
+        register()
+    except (NativeKernelError, OSError) as e:
+        warnings.warn(f"the native CPU kernels are unavailable, falling back: {e}", RuntimeWarning, stacklevel=2)
+        return False
+    return True

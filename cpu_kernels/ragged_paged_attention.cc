@@ -1,0 +1,335 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call.
+//
+// Why native code: on CPU, XLA cannot fuse a gather into a dot, so every formulation in
+// plain JAX first copies each sequence's K/V out of the paged cache and then reads the
+// copy (measured: about 5x the memory traffic of reading the cache once), and Pallas runs
+// on CPU only in interpret mode. This kernel reads every K/V row straight through the
+// block table, once per (sequence, KV head, query tile), with an f32 online softmax.
+//
+// Contract (the same as pallas_kernels.ragged_paged_attention_reference):
+//   q       f32[T, Hq, D]
+//   k, v    f32 or bf16 [num_blocks, block_size, Hkv, D]   (Hq a multiple of Hkv)
+//   tables  i32[S, max_blocks]        context_lens i32[S]     query_start_loc i32[S + 1]
+//   out     f32[T, Hq, D]; tokens past query_start_loc[S] (padding) get zeros.
+// Sequence s's q_len = qsl[s+1] - qsl[s] new tokens end its context, so token i of the
+// sequence sits at position ctx - q_len + i and sees keys in
+// [max(0, position - window + 1), position]. Slots past a context are never read.
+// Attributes: sm_scale; sliding_window (0: none); soft_cap (0: none).
+//
+// Work is split into items (sequence, a range of KV heads, a tile of up to kTileTokens
+// query tokens: at most kMaxRows query rows) that the XLA intra-op thread pool's threads
+// and the calling thread take from a shared counter.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attention_vectors.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace paged_jax_cpu;  // attention_vectors.h
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* tables;
+  const int32_t* context_lens;
+  const int32_t* query_start;
+  float* out;
+  int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
+  float scale, soft_cap;
+  int32_t window;
+};
+
+struct Item {
+  int32_t seq, first_token, num_tokens;  // first_token: index within the sequence's query tokens
+  int32_t first_kv_head, num_kv_heads;
+};
+
+// Per-thread scratch (on the heap: a pool thread's stack may be small).
+struct Scratch {
+  float q[kMaxRows][kMaxHeadDim], acc[kMaxRows][kMaxHeadDim];
+  float s[kMaxRows][kMaxBlockSize + kLanes];  // a block's scores, then its softmax weights
+  float kt[kMaxHeadDim * (kMaxBlockSize + kLanes)];  // one head's keys of a block, transposed [D][keys]
+  float vb[kMaxBlockSize][kMaxHeadDim];  // one head's values of a block as f32 (bf16 caches)
+  float m[kMaxRows], l[kMaxRows], row[kMaxHeadDim];
+  int32_t lo[kMaxRows], hi[kMaxRows];  // each query row's visible keys: [lo, hi)
+};
+
+// One work item: a tile of query tokens x the query heads of a range of KV heads. Its rows
+// are r = (token * num_kv_heads + kv_head) * group + g. Per block and head, the scores
+// come from one of two loops: a decode item (one token: `group` rows) takes a dot product
+// per key; a prefill tile (up to kMaxRows rows) transposes the block's keys once and
+// scores kLanes keys per vector with no horizontal sums, which pays only with many rows.
+template <typename T>
+bool attend_item(const Problem& p, const Item& item, Scratch& w) {
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads), nh = item.num_kv_heads;
+  const int64_t D = p.head_dim, row_stride = p.num_kv_heads * D;
+  const int32_t bs = static_cast<int32_t>(p.block_size), ctx = p.context_lens[item.seq];
+  const int32_t lanes_bs = (bs + kLanes - 1) / kLanes * kLanes;  // kt's row length
+  const int32_t q_begin = p.query_start[item.seq], q_len = p.query_start[item.seq + 1] - q_begin;
+  const int rows = item.num_tokens * nh * group;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const int32_t* table = p.tables + static_cast<int64_t>(item.seq) * p.max_blocks;
+  auto& q = w.q;
+  auto& acc = w.acc;
+  auto& s = w.s;
+  float *m = w.m, *l = w.l, *kt = w.kt;
+  int32_t *lo = w.lo, *hi = w.hi;
+  auto row_of = [&](int tok, int hh, int g) { return (tok * nh + hh) * group + g; };
+  auto query_row = [&](int tok, int hh, int g) {  // this row's slice of q / out
+    return ((q_begin + item.first_token + tok) * p.num_heads + (item.first_kv_head + hh) * group + g) * D;
+  };
+  for (int tok = 0; tok < item.num_tokens; ++tok) {
+    const int32_t position = ctx - q_len + item.first_token + tok;
+    for (int hh = 0; hh < nh; ++hh) {
+      for (int g = 0; g < group; ++g) {
+        const int r = row_of(tok, hh, g);
+        hi[r] = position + 1;
+        lo[r] = p.window > 0 ? std::max(0, position - p.window + 1) : 0;
+        const float* src = p.q + query_row(tok, hh, g);
+        for (int64_t d = 0; d < D; ++d) q[r][d] = src[d] * p.scale;
+        std::fill(acc[r], acc[r] + D, 0.0f);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+      }
+    }
+  }
+  const int32_t key_begin = *std::min_element(lo, lo + rows), key_end = *std::max_element(hi, hi + rows);
+  for (int32_t b = key_begin / bs; b * bs < key_end; ++b) {
+    const int32_t block = table[b];
+    if (block < 0 || block >= p.num_blocks) return false;
+    const int32_t j0 = std::max<int32_t>(key_begin - b * bs, 0);
+    const int32_t j1 = std::min<int32_t>(key_end - b * bs, bs);
+    const int64_t base = (static_cast<int64_t>(block) * bs) * row_stride + item.first_kv_head * D;
+    for (int hh = 0; hh < nh; ++hh) {  // scores of this block's keys [j0, j1)
+      const T* keys = k + base + hh * D;
+      if (item.num_tokens == 1) {
+        float* krow = w.row;
+        int32_t j = j0;
+#if defined(__AVX512F__)
+        if (D % kLanes == 0) {  // 16 keys at a time, one horizontal reduction for all of them
+          for (; j + kLanes <= j1; j += kLanes)
+            for (int g = 0; g < group; ++g) score16(q[row_of(0, hh, g)], keys + j * row_stride, row_stride, D,
+                                                    &s[row_of(0, hh, g)][j]);
+        }
+#endif
+        for (; j < j1; ++j) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) krow[d] = to_float(keys[j * row_stride + d]);
+          for (int g = 0; g < group; ++g) {
+            const int r = row_of(0, hh, g);
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += q[r][d] * krow[d];
+            s[r][j] = dot;
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) std::fill(kt + d * lanes_bs, kt + (d + 1) * lanes_bs, 0.0f);
+        for (int32_t j = j0; j < j1; ++j)
+          for (int64_t d = 0; d < D; ++d) kt[d * lanes_bs + j] = to_float(keys[j * row_stride + d]);
+        int head_rows[kMaxRows], n = 0;  // this KV head's query rows
+        for (int tok = 0; tok < item.num_tokens; ++tok)
+          for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
+        for (int32_t jc = j0 / kLanes * kLanes; jc < j1; jc += kLanes) {
+          int i = 0;
+#if defined(__AVX512F__)
+          for (; i < n; i += 8)
+            kScoreTransposed[std::min(8, n - i)](q, kt + jc, lanes_bs, D, head_rows + i, s, jc);
+#endif
+          for (; i < n; ++i) {
+            const int r = head_rows[i];
+            float lane[kLanes] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = q[r][d];
+              const float* kd = kt + d * lanes_bs + jc;
+#pragma omp simd
+              for (int l = 0; l < kLanes; ++l) lane[l] += qd * kd[l];
+            }
+            for (int l = 0; l < kLanes; ++l) s[r][jc + l] = lane[l];
+          }
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {  // online softmax over this block, row by row
+      const int32_t a = std::max(j0, lo[r] - b * bs), e = std::min(j1, hi[r] - b * bs);
+      if (a >= e) {
+        for (int32_t j = j0; j < j1; ++j) s[r][j] = 0.0f;
+        continue;
+      }
+      if (p.soft_cap > 0)
+        for (int32_t j = a; j < e; ++j) s[r][j] = p.soft_cap * std::tanh(s[r][j] / p.soft_cap);
+      float m_new, sum = 0.0f;
+#if defined(__AVX512F__)
+      m_new = softmax_weights16(s[r], j0, j1, a, e, m[r], &sum);
+#else
+      float block_max = -INFINITY;
+      for (int32_t j = a; j < e; ++j) block_max = std::max(block_max, s[r][j]);
+      m_new = std::max(m[r], block_max);
+#pragma omp simd reduction(+ : sum)
+      for (int32_t j = j0; j < j1; ++j) {
+        const float e_j = (j >= a && j < e) ? exp_nonpositive(s[r][j] - m_new) : 0.0f;
+        s[r][j] = e_j;
+        sum += e_j;
+      }
+#endif
+      const float correction = exp_nonpositive(m[r] - m_new);  // m = -inf: 0
+      l[r] = l[r] * correction + sum;
+      m[r] = m_new;
+      if (correction != 1.0f) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[r][d] *= correction;
+      }
+    }
+    for (int hh = 0; hh < nh; ++hh) {  // acc += p v: each row's accumulator stays in registers over the keys
+      const T* values = v + base + hh * D;
+      const float* vrows;
+      int64_t vstride;
+      if constexpr (std::is_same_v<T, float>) {
+        vrows = values, vstride = row_stride;
+      } else {
+        for (int32_t j = j0; j < j1; ++j)
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
+        vrows = &w.vb[0][0], vstride = kMaxHeadDim;
+      }
+      int head_rows[kMaxRows], n = 0;  // this KV head's query rows
+      for (int tok = 0; tok < item.num_tokens; ++tok)
+        for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
+      auto range = [&](int r) {  // the row's weights outside it are 0 (the softmax wrote them)
+        return std::pair<int32_t, int32_t>(std::max(j0, lo[r] - b * bs), std::min(j1, hi[r] - b * bs));
+      };
+      int i = 0;
+#if defined(__AVX512F__)
+      if (D % (4 * kLanes) == 0) {  // two rows at a time: 8 accumulators in registers, each V row loaded once
+        for (; i + 1 < n; i += 2) {
+          const auto [a1, e1] = range(head_rows[i]);
+          const auto [a2, e2] = range(head_rows[i + 1]);
+          pv2(acc[head_rows[i]], acc[head_rows[i + 1]], s[head_rows[i]], s[head_rows[i + 1]], vrows, vstride, D,
+              std::min(a1, a2), std::max(e1, e2));
+        }
+        if (i < n) {
+          const auto [a1, e1] = range(head_rows[i]);
+          pv2(acc[head_rows[i]], nullptr, s[head_rows[i]], nullptr, vrows, vstride, D, a1, e1);
+          ++i;
+        }
+      }
+#endif
+      for (; i < n; ++i) {
+        const int r = head_rows[i];
+        const auto [a, e] = range(r);
+        float* out = acc[r];
+        for (int32_t j = a; j < e; ++j) {
+          const float weight = s[r][j];
+          const float* vj = vrows + j * vstride;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out[d] += weight * vj[d];
+        }
+      }
+    }
+  }
+  for (int tok = 0; tok < item.num_tokens; ++tok) {
+    for (int hh = 0; hh < nh; ++hh) {
+      for (int g = 0; g < group; ++g) {
+        const int r = row_of(tok, hh, g);
+        float* dst = p.out + query_row(tok, hh, g);
+        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
+      }
+    }
+  }
+  return true;
+}
+
+// Shared by the calling thread and the pool's tasks; a task that starts after the work is
+// done touches only this (kept alive by its shared_ptr), never the call's buffers.
+struct Work {
+  Problem problem;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> failed{false};
+};
+
+template <typename T>
+void drain(Work& work) {
+  work.active.fetch_add(1);
+  auto scratch = std::make_unique<Scratch>();
+  for (int64_t i = work.next.fetch_add(1); i < static_cast<int64_t>(work.items.size()); i = work.next.fetch_add(1)) {
+    if (!attend_item<T>(work.problem, work.items[i], *scratch)) work.failed.store(true);
+  }
+  work.active.fetch_sub(1);
+}
+
+template <ffi::DataType KV>
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KV> k, ffi::Buffer<KV> v,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> context_lens,
+                          ffi::Buffer<ffi::S32> query_start, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                          int32_t sliding_window, float soft_cap) {
+  using T = ffi::NativeType<KV>;
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(), context_lens.typed_data(),
+              query_start.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
+              sm_scale, soft_cap, sliding_window};
+  if (p.num_heads % p.num_kv_heads || p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize ||
+      kd[3] != p.head_dim || p.num_heads / p.num_kv_heads > kMaxRows)
+    return ffi::Error::InvalidArgument("unsupported shapes (head_dim <= 256, block_size <= 256, group <= 64)");
+  // an item: as many KV heads as fit kMaxRows query rows, then as many tokens as fit
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int heads = static_cast<int>(std::min<int64_t>(p.num_kv_heads, kMaxRows / group));
+  const int tile = std::max(1, std::min(kTileTokens, kMaxRows / (heads * group)));
+  std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_heads * p.head_dim);
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t q_len = p.query_start[s + 1] - p.query_start[s], ctx = p.context_lens[s];
+    if (q_len <= 0) continue;
+    if (q_len > ctx || ctx > p.max_blocks * p.block_size || p.query_start[s + 1] > p.num_tokens)
+      return ffi::Error::InvalidArgument("query_start_loc / context_lens out of range");
+    for (int32_t h = 0; h < p.num_kv_heads; h += heads)
+      for (int32_t t = 0; t < q_len; t += tile)
+        work->items.push_back({s, t, std::min(tile, q_len - t), h, static_cast<int32_t>(std::min<int64_t>(heads, p.num_kv_heads - h))});
+  }
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain<T>(*work); });
+  drain<T>(*work);
+  while (work->active.load() > 0) std::this_thread::yield();
+  if (work->failed.load()) return ffi::Error::InvalidArgument("a block table entry is out of range");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define PAGED_JAX_ATTENTION_HANDLER(name, KV)                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, attention_impl<KV>,                                    \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                            \
+                                    .Arg<ffi::Buffer<KV>>()                                  \
+                                    .Arg<ffi::Buffer<KV>>()                                  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                            \
+                                    .Attr<float>("sm_scale")                                 \
+                                    .Attr<int32_t>("sliding_window")                         \
+                                    .Attr<float>("soft_cap"));
+
+PAGED_JAX_ATTENTION_HANDLER(RaggedPagedAttentionF32, ffi::F32)
+PAGED_JAX_ATTENTION_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)
