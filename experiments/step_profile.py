@@ -10,18 +10,23 @@ part of a step costs what, and how each part grows with the batch. For each --nu
 (one decode token per sequence, every sequence at --context_len) this times, as
 separately jitted functions with the engine's own code:
 
-  layers_no_attention  the decoder (lax.scan over layers: norms, q/k/v/o and MLP matmuls,
-                       RoPE) with attention replaced by the identity
-  attention            the ragged Pallas kernel (interpret mode on CPU), its jnp reference
-                       and the XLA chunked decode loop (attention backend "xla") for one
-                       layer, times num_layers
+  layers_scan          the decoder (norms, q/k/v/o and MLP matmuls, RoPE) with attention
+  layers_unroll        replaced by the identity, as one lax.scan over the stacked layers and
+                       unrolled over per-layer arrays (layer_loop "scan" / "unroll")
+  attention_*          every layer's attention over a pool holding all layers' blocks (as
+                       the engine's cache does, so K/V come from memory, not cache): the
+                       native C++ kernel, the ragged Pallas kernel (interpret mode on CPU),
+                       its jnp reference and the XLA chunked decode loop
   logits               the head matmul for the batch's rows ([S, H] x [H, V])
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
   sample_greedy        sample_tokens with temperature 0
   matmul_ceiling       one [S, H] x [H, I] matmul's FLOP rate, scaled to the model's FLOPs
                        per token: the step time if every matmul ran at that rate
 
-Times are medians of --iters calls after a warm-up. Writes experiments/results/step_profile.json.
+Times are medians of --iters calls after a warm-up. `step_ms_before` sums the step as the
+engine ran it before the native kernels (scan, Pallas kernel, top-K every step);
+`step_ms_after` as it runs now (unrolled, native, top-K only when asked). Writes
+experiments/results/step_profile.json (--dtype=bfloat16: bf16 weights and KV pool).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ _CONTEXT_LEN = flags.DEFINE_integer("context_len", 256, "Tokens in the cache of 
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "Top-K logprobs per row (EngineConfig.max_logprobs).")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed calls per part (median).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' and KV pool's dtype.")
 _OUTPUT = flags.DEFINE_string("output", "step_profile", "Result name: experiments/results/<output>.json.")
 
 
@@ -52,37 +58,50 @@ def _median_ms(fn, *args, iters: int) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
 
-def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int, iters: int) -> dict:
+def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int, iters: int,
+            dtype: str = "float32") -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from flax import nnx
 
+    from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
     from paged_jax.attention.chunked_attention import chunked_decode_attention
-    from paged_jax.model.decoder import LlamaDecoder
-    from paged_jax.model.functional import split_model
+    from paged_jax.model.decoder import LlamaDecoder, dense
+    from paged_jax.model.functional import restack_layers, split_model, unstack_layers
     from paged_jax.worker.sampler import sample_tokens
     from pallas_kernels.ragged_paged_attention import (
         ragged_paged_attention,
         ragged_paged_attention_reference,
     )
-    cfg, params = model.config, model.params
+    cfg = model.config
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), model.params)
     n, rng = num_seqs, np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, n), jnp.int32)
     positions = jnp.full((n,), context_len - 1, jnp.int32)
     identity = lambda q, k, v, cache, layer, meta: (q, cache)
     graphdef, _ = split_model(LlamaDecoder, cfg)
-    layers = jax.jit(lambda p, i, s: nnx.merge(graphdef, p)(i, s, {}, None, identity)[0])
+    layers_scan = jax.jit(lambda p, i, s: nnx.merge(graphdef, p)(i, s, {}, None, identity)[0])
+    layers_unroll = jax.jit(lambda p, i, s: nnx.merge(graphdef, restack_layers(p))(
+        i, s, {}, None, identity, unroll_layers=True)[0])
+    per_layer = unstack_layers(params)
 
     def compute_logits(p, h):
         return nnx.merge(graphdef, p).compute_logits(h)
     blocks_per_seq = -(-context_len // block_size)
-    num_blocks = 1 + n * blocks_per_seq
-    kv_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    k, v = (jnp.asarray(rng.normal(size=kv_shape), jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.normal(size=(n, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    num_blocks = 1 + n * blocks_per_seq  # per layer; the pool holds every layer's, as the engine's cache
+    kv_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k, v = (jnp.asarray(rng.normal(size=kv_shape), dtype) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(n, cfg.num_heads, cfg.head_dim)), dtype)
     tables = jnp.asarray((1 + rng.permutation(num_blocks - 1)).reshape(n, blocks_per_seq), jnp.int32)
+
+    def all_layers(attend):  # layer l reads its blocks: table entries offset by l * num_blocks
+        def run(q, k, v, tables, lens, qsl):
+            def body(layer, total):
+                return total + attend(q, k, v, tables + layer * num_blocks, lens, qsl).astype(jnp.float32)
+            return jax.lax.fori_loop(0, cfg.num_layers, body, jnp.zeros(q.shape, jnp.float32))
+        return jax.jit(run)
     lens = jnp.full((n,), context_len, jnp.int32)
     qsl = jnp.arange(n + 1, dtype=jnp.int32)
     hidden = jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32)
@@ -91,15 +110,14 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     zeros, ones = jnp.zeros(n), jnp.ones(n)
     greedy = functools.partial(sample_tokens, temperature=zeros, top_k=jnp.zeros(n, jnp.int32), top_p=ones,
                                min_p=zeros)
+    attention = {"native": ragged_paged_attention_cpu, "kernel": ragged_paged_attention,
+                 "reference": ragged_paged_attention_reference,
+                 "xla": functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention)}
     parts = {
-        "layers_no_attention": _median_ms(layers, params, ids, positions, iters=iters),
-        "attention_kernel": cfg.num_layers * _median_ms(jax.jit(ragged_paged_attention), q, k, v, tables, lens, qsl,
-                                                        iters=iters),
-        "attention_reference": cfg.num_layers * _median_ms(jax.jit(ragged_paged_attention_reference), q, k, v,
-                                                           tables, lens, qsl, iters=iters),
-        "attention_xla": cfg.num_layers * _median_ms(
-            jax.jit(functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention)), q, k, v, tables,
-            lens, qsl, iters=iters),
+        "layers_scan": _median_ms(layers_scan, params, ids, positions, iters=iters),
+        "layers_unroll": _median_ms(layers_unroll, per_layer, ids, positions, iters=iters),
+        **{f"attention_{name}": _median_ms(all_layers(fn), q, k, v, tables, lens, qsl, iters=iters)
+           for name, fn in attention.items()},
         "logits": _median_ms(jax.jit(compute_logits), params, hidden, iters=iters),
         "logprobs_top_k": _median_ms(jax.jit(lambda x: jax.lax.top_k(jax.nn.log_softmax(x, -1), top_k)), logits,
                                      iters=iters),
@@ -107,15 +125,18 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     }
     # the ceiling: one MLP-shaped matmul's FLOP rate applied to the model's matmul FLOPs per token
     x = jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.intermediate_size)), jnp.float32)
-    matmul_ms = _median_ms(jax.jit(lambda a, b: a @ b), x, w, iters=max(iters, 20))
+    w = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.intermediate_size)), dtype)
+    matmul_ms = _median_ms(jax.jit(dense), x, w, iters=max(iters, 20))  # bf16: bf16 x bf16 -> f32
     gflops = 2 * n * cfg.hidden_size * cfg.intermediate_size / matmul_ms / 1e6
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
-    total_kernel = sum(v for k_, v in parts.items() if k_ not in ("attention_reference", "attention_xla"))
-    return {"num_seqs": n, "context_len": context_len, "parts_ms": parts, "step_ms_sum_kernel": round(total_kernel, 2),
-            "tokens_per_s_sum_kernel": round(n / total_kernel * 1e3, 1), "matmul_gflops": round(gflops, 1),
+    before = sum(parts[k_] for k_ in ("layers_scan", "attention_kernel", "logits", "logprobs_top_k", "sample_greedy"))
+    after = sum(parts[k_] for k_ in ("layers_unroll", "attention_native", "logits", "sample_greedy"))
+    return {"num_seqs": n, "context_len": context_len, "dtype": dtype, "parts_ms": parts,
+            "step_ms_before": round(before, 2), "tokens_per_s_before": round(n / before * 1e3, 1),
+            "step_ms_after": round(after, 2), "tokens_per_s_after": round(n / after * 1e3, 1),
+            "matmul_gflops": round(gflops, 1),
             "gflop_per_token": round(flops_per_token / 1e9, 3),
             "ceiling_step_ms": round(n * flops_per_token / gflops / 1e6, 2),
             "ceiling_tokens_per_s": round(gflops * 1e9 / flops_per_token, 1)}
@@ -132,10 +153,12 @@ def main(argv):
     model = load_for_benchmark(_MODEL.value, _CONTEXT_LEN.value + 1)
     rows = []
     for n in (int(s) for s in _NUM_SEQS.value):
-        rows.append(profile(model, n, _CONTEXT_LEN.value, _BLOCK_SIZE.value, _TOP_K.value, _ITERS.value))
+        rows.append(profile(model, n, _CONTEXT_LEN.value, _BLOCK_SIZE.value, _TOP_K.value, _ITERS.value,
+                            _DTYPE.value))
         r = rows[-1]
         print(f"batch {n:>3}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["parts_ms"].items())
-              + f" ms; sum {r['step_ms_sum_kernel']:.1f} ms = {r['tokens_per_s_sum_kernel']:.0f} tok/s; ceiling "
+              + f" ms; before {r['step_ms_before']:.1f} ms = {r['tokens_per_s_before']:.0f} tok/s, after "
+              f"{r['step_ms_after']:.1f} ms = {r['tokens_per_s_after']:.0f} tok/s; ceiling "
               f"{r['ceiling_step_ms']:.1f} ms ({r['matmul_gflops']:.0f} GFLOP/s)", flush=True)
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, seed=0,

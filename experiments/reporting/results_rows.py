@@ -201,50 +201,6 @@ def benchmark_throughput(record: dict) -> list:
     return [(figure, "; ".join(parts))]
 
 
-def peer_hf(record: dict) -> list:
-    fig, flags = record["figures"], record["flags"]
-    words = {"static": f"HF static batches of {flags.get('batch_size')}", "continuous": "HF continuous batching",
-             "paged_jax": "paged_jax"}
-    modes = [m for m in flags.get("modes", []) if m in fig]
-    checks = [v["greedy_check"] for k, v in fig.items() if k.startswith("paged_jax_vs_") and "greedy_check" in v]
-    if checks and all(c["mismatch"] == 0 and c["near_tie"] == 0 for c in checks):
-        equal = "; outputs equal token for token"
-    else:
-        equal = "".join(f"; {c['equal']} equal, {c['near_tie']} near ties, {c['mismatch']} mismatches" for c in checks)
-    return [((f"transformers on the same {flags['num_requests']} {workload_label(flags.get('workload'))} requests "
-             f"(scale {flags.get('scale')}), {model_label(fig.get('model'))}, useful output tok/s: "
-             f"{_join(words.get(m, m) for m in modes)}"),
-             _join((fig[m]["output_tokens_per_s"] for m in modes), "{:.1f}") + equal + _cpu_note(record))]
-
-
-def peer_vllm(record: dict) -> list:
-    """vLLM's CPU backend against ours (experiments/peer_vllm.py): output tok/s (means over the
-    rounds) per vLLM mode and ours, the ratios, and how our outputs compared with vLLM's."""
-    fig, flags = record["figures"], record["flags"]
-    summary = fig["summary"]
-    words = {"both_cores": "vLLM on all cores", "default": "vLLM as set up by default (a core reserved)"}
-    modes = [m for m in flags.get("vllm_modes", []) if isinstance(summary.get(m), dict)]
-    check = fig["greedy_check"]
-    ours = [c for label, c in check["runs"].items() if label.startswith("paged_jax")]
-    total = {k: sum(c[k] for c in ours) for k in ("equal", "near_tie", "mismatch", "unchecked")}
-    if ours and total["equal"] == sum(total.values()):
-        equal = "; outputs equal token for token"
-    else:
-        equal = (f"; paged_jax outputs vs vLLM's: {total['equal']} equal, {total['near_tie']} near ties, "
-                 f"{total['mismatch']} mismatches" + (f", {total['unchecked']} differ (unchecked, "
-                                                       f"{fig.get('dtype')})" if total["unchecked"] else ""))
-    version = (fig.get("versions") or {}).get("vllm", "")
-    return [((f"vLLM {version} CPU backend on the same {flags['num_requests']} "
-              f"{workload_label(flags.get('workload'))} requests (scale {flags.get('scale')}: prompts "
-              f"{fig['mean_prompt_tokens']:.0f}, outputs {fig['mean_output_tokens']:.0f} tokens), "
-              f"{model_label(fig.get('model'))}, {fig.get('dtype')}, max_num_seqs {flags.get('max_num_seqs')}, "
-              f"{flags.get('rounds')} rounds, output tok/s: {_join(words.get(m, m) for m in modes)} / paged_jax"),
-             _join([summary[m]["vllm_mean_output_tokens_per_s"] for m in modes]
-                   + [summary["paged_jax_mean_output_tokens_per_s"]], "{:.1f}")
-             + "; paged_jax / vLLM " + _join((summary[m]["ratio"] for m in modes), "{:.2f}x")
-             + equal + _cpu_note(record))]
-
-
 def _setting(record: dict) -> str:
     fig, flags = record["figures"], record.get("flags") or {}
     model = fig.get("model") or flags.get("model")
@@ -376,10 +332,10 @@ def step_profile(record: dict) -> list:
     batches = " / ".join(str(r["num_seqs"]) for r in rows)
     parts = list(rows[0]["parts_ms"])
     value = "; ".join(f"{r['num_seqs']}: " + ", ".join(f"{r['parts_ms'][k]:.0f}" for k in parts)
-                      + f" ms (sum {r['tokens_per_s_sum_kernel']:.0f} tok/s, ceiling {r['ceiling_tokens_per_s']:.0f})"
-                      for r in rows)
-    return [(f"decode step by part, {_setting(record)}, context {rows[0]['context_len']}, batch {batches}: "
-             + ", ".join(parts), value)]
+                      + f" ms (step before {r['tokens_per_s_before']:.0f} / after {r['tokens_per_s_after']:.0f} tok/s"
+                      f", ceiling {r['ceiling_tokens_per_s']:.0f})" for r in rows)
+    return [(f"decode step by part, {_setting(record)}, {rows[0].get('dtype', 'float32')}, context "
+             f"{rows[0]['context_len']}, batch {batches}: " + ", ".join(parts), value)]
 
 
 def step_time_vs_cache_size(record: dict) -> list:
@@ -431,12 +387,15 @@ def generic(record: dict) -> list:
     return [(f"`{record.get('name')}`: {_setting(record)}", ", ".join(f"{k} {v:.4g}" for k, v in scalars) or "-")]
 
 
+# the peer comparisons' builders live in peer_rows.py (imported here, after the helpers they use)
+from experiments.reporting.peer_rows import peer_hf, peer_vllm, trace_step_breakdown  # noqa: E402
+
 # experiments module -> builder, in the table's order
 BUILDERS = {
     "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": bench_kernel,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
-    "peer_vllm": peer_vllm,
+    "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,

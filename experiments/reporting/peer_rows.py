@@ -1,0 +1,67 @@
+"""README rows of the peer comparisons: transformers (peer_hf), vLLM's CPU backend
+(peer_vllm), and where our own time on the vLLM trace goes (trace_step_breakdown).
+
+Split from results_rows.py (which imports these into its BUILDERS after defining the
+shared helpers, `rr.*` here, read at call time).
+"""
+
+from __future__ import annotations
+
+from experiments.reporting import results_rows as rr
+
+
+def peer_hf(record: dict) -> list:
+    fig, flags = record["figures"], record["flags"]
+    words = {"static": f"HF static batches of {flags.get('batch_size')}", "continuous": "HF continuous batching",
+             "paged_jax": "paged_jax"}
+    modes = [m for m in flags.get("modes", []) if m in fig]
+    checks = [v["greedy_check"] for k, v in fig.items() if k.startswith("paged_jax_vs_") and "greedy_check" in v]
+    if checks and all(c["mismatch"] == 0 and c["near_tie"] == 0 for c in checks):
+        equal = "; outputs equal token for token"
+    else:
+        equal = "".join(f"; {c['equal']} equal, {c['near_tie']} near ties, {c['mismatch']} mismatches" for c in checks)
+    return [((f"transformers on the same {flags['num_requests']} {rr.workload_label(flags.get('workload'))} requests "
+             f"(scale {flags.get('scale')}), {rr.model_label(fig.get('model'))}, useful output tok/s: "
+             f"{rr._join(words.get(m, m) for m in modes)}"),
+             rr._join((fig[m]["output_tokens_per_s"] for m in modes), "{:.1f}") + equal + rr._cpu_note(record))]
+
+
+def peer_vllm(record: dict) -> list:
+    """vLLM's CPU backend against ours (experiments/peer_vllm.py): output tok/s (means over the
+    rounds) per vLLM mode and ours, the ratios, and how our outputs compared with vLLM's."""
+    fig, flags = record["figures"], record["flags"]
+    summary = fig["summary"]
+    words = {"both_cores": "vLLM on all cores", "default": "vLLM as set up by default (a core reserved)"}
+    modes = [m for m in flags.get("vllm_modes", []) if isinstance(summary.get(m), dict)]
+    check = fig["greedy_check"]
+    ours = [c for label, c in check["runs"].items() if label.startswith("paged_jax")]
+    total = {k: sum(c[k] for c in ours) for k in ("equal", "near_tie", "mismatch", "unchecked")}
+    if ours and total["equal"] == sum(total.values()):
+        equal = "; outputs equal token for token"
+    else:
+        equal = (f"; paged_jax outputs vs vLLM's: {total['equal']} equal, {total['near_tie']} near ties, "
+                 f"{total['mismatch']} mismatches" + (f", {total['unchecked']} differ (unchecked, "
+                                                       f"{fig.get('dtype')})" if total["unchecked"] else ""))
+    version = (fig.get("versions") or {}).get("vllm", "")
+    return [((f"vLLM {version} CPU backend on the same {flags['num_requests']} "
+              f"{rr.workload_label(flags.get('workload'))} requests (scale {flags.get('scale')}: prompts "
+              f"{fig['mean_prompt_tokens']:.0f}, outputs {fig['mean_output_tokens']:.0f} tokens), "
+              f"{rr.model_label(fig.get('model'))}, {fig.get('dtype')}, max_num_seqs {flags.get('max_num_seqs')}, "
+              f"{flags.get('rounds')} rounds, output tok/s: {rr._join(words.get(m, m) for m in modes)} / paged_jax"),
+             rr._join([summary[m]["vllm_mean_output_tokens_per_s"] for m in modes]
+                   + [summary["paged_jax_mean_output_tokens_per_s"]], "{:.1f}")
+             + "; paged_jax / vLLM " + rr._join((summary[m]["ratio"] for m in modes), "{:.2f}x")
+             + equal + rr._cpu_note(record))]
+
+
+def trace_step_breakdown(record: dict) -> list:
+    """Output tok/s per token budget, and the best budget's split into decode and mixed steps."""
+    fig, flags = record["figures"], record["flags"]
+    runs = fig["runs"]
+    best = max(runs, key=lambda r: r["output_tokens_per_s"])
+    return [((f"paged_jax alone on peer_vllm's trace, {rr._setting(record)}, outputs capped at "
+              f"{flags.get('max_output_tokens')}, {fig.get('dtype')}, attention {best['attention_backend']}, KV "
+              f"{best['kv_cache_dtype']}, layers {best['layer_loop']}: output tok/s at max_num_batched_tokens "
+              + rr._join(r["max_num_batched_tokens"] for r in runs) + "; the best's wall = decode + mixed steps"),
+             rr._join((r["output_tokens_per_s"] for r in runs), "{:.1f}")
+             + f"; {best['wall_s']:.1f} s = {best['decode_s']:.1f} + {best['mixed_s']:.1f} s" + rr._cpu_note(record))]
