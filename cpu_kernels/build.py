@@ -3,7 +3,7 @@
 Why built here and not shipped as a wheel: the kernels are a few hundred lines that a
 researcher should be able to edit and rerun, and they are compiled for this CPU
 (`-march=native`: AVX-512 where the machine has it). The shared library lands in
-~/.cache/paged_jax/cpu_kernels (or $PAGED_JAX_CACHE_DIR/cpu_kernels), named by a hash of the
+~/.cache/paged_jax/cpu_kernels (or $PAGED_JAX_KERNEL_CACHE_DIR), named by a hash of the
 source, the compiler command and the CPU's feature flags, so an edit, another compiler or
 another machine gets its own build; the first call compiles (about 2 s), later ones load.
 `available()` says whether the kernels can run here (a C++ compiler and jaxlib's FFI
@@ -38,8 +38,8 @@ class NativeKernelError(RuntimeError):
 
 
 def cache_dir() -> str:
-    root = os.environ.get("PAGED_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "paged_jax"))
-    return os.path.join(root, "cpu_kernels")
+    return os.environ.get("PAGED_JAX_KERNEL_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "cpu_kernels"))
 
 
 def _cpu_flags() -> str:

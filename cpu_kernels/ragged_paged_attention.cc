@@ -269,7 +269,9 @@ struct Work {
 template <typename T>
 void drain(Work& work) {
   work.active.fetch_add(1);
-  auto scratch = std::make_unique<Scratch>();
+  // one scratch per thread, kept across calls (uninitialized: every item writes what it reads)
+  thread_local std::unique_ptr<Scratch> scratch;
+  if (!scratch) scratch.reset(new Scratch);
   for (int64_t i = work.next.fetch_add(1); i < static_cast<int64_t>(work.items.size()); i = work.next.fetch_add(1)) {
     if (!attend_item<T>(work.problem, work.items[i], *scratch)) work.failed.store(true);
   }
@@ -296,11 +298,17 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int heads = static_cast<int>(std::min<int64_t>(p.num_kv_heads, kMaxRows / group));
   const int tile = std::max(1, std::min(kTileTokens, kMaxRows / (heads * group)));
-  std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_heads * p.head_dim);
+  // the items write every head of every token in [qsl[0], qsl[S]); only the rest is zeroed
+  const int64_t row = p.num_heads * p.head_dim, tokens = p.num_tokens;
+  const int64_t first = std::clamp<int64_t>(p.query_start[0], 0, tokens);
+  const int64_t used = std::clamp<int64_t>(p.query_start[p.num_seqs], first, tokens);
+  std::memset(p.out, 0, sizeof(float) * first * row);
+  std::memset(p.out + used * row, 0, sizeof(float) * (tokens - used) * row);
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const int32_t q_len = p.query_start[s + 1] - p.query_start[s], ctx = p.context_lens[s];
     if (q_len <= 0) continue;
-    if (q_len > ctx || ctx > p.max_blocks * p.block_size || p.query_start[s + 1] > p.num_tokens)
+    if (p.query_start[s] < 0 || q_len > ctx || ctx > p.max_blocks * p.block_size ||
+        p.query_start[s + 1] > p.num_tokens)
       return ffi::Error::InvalidArgument("query_start_loc / context_lens out of range");
     for (int32_t h = 0; h < p.num_kv_heads; h += heads)
       for (int32_t t = 0; t < q_len; t += tile)

@@ -82,7 +82,7 @@ def test_out_of_range_inputs_are_errors_not_reads():
 
 def test_the_library_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     """A fresh cache directory gets its own build, named by the hash; a second call loads it."""
-    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGED_JAX_KERNEL_CACHE_DIR", str(tmp_path))
     build.library_path.cache_clear()
     try:
         path = build.library_path()
