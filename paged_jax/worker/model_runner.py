@@ -70,8 +70,9 @@ class ModelRunner:
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         if config.layer_loop not in ("unroll", "scan"):
             raise ValueError(f"resolve layer_loop {config.layer_loop!r} before building the runner")
-        # a Python loop over per-layer weights (LlamaDecoder's unroll_layers) where the class's call takes it
-        self.unroll_layers = (config.layer_loop == "unroll"
+        # a Python loop over per-layer weights (LlamaDecoder's unroll_layers) where the class's call takes
+        # it; a tensor-parallel step keeps the scan (its shardings follow the stacked parameter layout)
+        self.unroll_layers = (config.layer_loop == "unroll" and mesh is None
                               and "unroll_layers" in inspect.signature(model_class.__call__).parameters)
         self.model_config = model_config
         self.config = config
