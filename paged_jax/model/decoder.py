@@ -179,9 +179,10 @@ class LlamaDecoder(nnx.Module):
         unroll_layers: a Python loop over the layers (static slices of the stacked
         params, a Python int layer index) instead of `lax.scan`. It compiles num_layers
         bodies, but on XLA CPU a dot whose weights are a slice of a stacked array inside a
-        loop misses the fast bf16 path: SmolLM2's MLP in bf16 took 149 ms per step at 8
-        rows under the loop against 24 ms unrolled over per-layer arrays
-        (`paged_jax.model.functional.unstack_layers` keeps them apart; the slices of their
+        loop misses the fast bf16 path: SmolLM2 in bf16 without attention took 147 ms per
+        8-row step under the loop against 25 ms unrolled over per-layer arrays
+        (`python -m experiments.step_profile --dtype=bfloat16`;
+        `paged_jax.model.functional.unstack_layers` keeps them apart, the slices of their
         restacking fold away).
         """
         cfg = self.cfg
@@ -210,7 +211,7 @@ class LlamaDecoder(nnx.Module):
         Tied embeddings [V, H] contract on their H axis directly (dot_general), not through
         `embed.T`: on XLA CPU a bf16 dot against the transposed view ran 52 ms for 8 rows
         of SmolLM2 against 3.5 ms as one dot_general (f32: 10 vs 16 ms, so f32 keeps the
-        transpose)."""
+        transpose; a one-off measurement, not a committed record)."""
         if self.lm_head is not None:
             return dense(hidden, self.lm_head[...])
         embed = self.embed[...]
