@@ -54,8 +54,7 @@ def main(argv):
     runner = llm.engine.runner
 
     def step(batch):
-        result, runner.kv_cache = runner._step(runner.params, runner.kv_cache, batch)
-        jax.block_until_ready(result)
+        runner.run_batch(batch)  # the model step and its head, results fetched to the host
 
     rows = []
     for s in shapes:

@@ -39,7 +39,7 @@ from flax import nnx
 
 from paged_jax.config.model_config import ModelConfig
 from paged_jax.model.llama import init_leaf
-from paged_jax.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from paged_jax.model.rope import apply_rope, inverse_frequencies, lookup_cos_sin, rope_cos_sin
 
 # (q [*tok, Hq, D], k [*tok, Hkv, D], v [*tok, Hkv, D], kv_cache, layer i32[], metadata)
 #   -> (out [*tok, Hq, D], kv_cache with layer `layer`'s new K/V written)
@@ -167,7 +167,7 @@ class LlamaDecoder(nnx.Module):
         return rms_norm(x, weight[...], self.cfg.rms_norm_eps)
 
     def __call__(self, token_ids, positions, kv_cache, metadata, attention_fn: AttentionFn, *,
-                 unroll_layers: bool = False):
+                 unroll_layers: bool = False, rope_tables: jnp.ndarray | None = None):
         """Run the decoder over new tokens.
 
         token_ids, positions: i32[*tok]. kv_cache: any pytree (leaves with a leading
@@ -184,10 +184,17 @@ class LlamaDecoder(nnx.Module):
         (`python -m experiments.step_profile --dtype=bfloat16`;
         `paged_jax.model.functional.unstack_layers` keeps them apart, the slices of their
         restacking fold away).
+
+        rope_tables: f32[2, positions, head_dim] from `rope.rope_tables` (the runner's,
+        covering max_model_len) to gather cos/sin from instead of computing them in the graph,
+        where XLA would recompute them in every layer.
         """
         cfg = self.cfg
         x = self.embed[...][token_ids].astype(jnp.float32)  # the residual stream is float32 (`dense`)
-        cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        if rope_tables is not None:
+            cos, sin = lookup_cos_sin(rope_tables, positions)
+        else:
+            cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         layer_def, layer_state = nnx.split(self.layers)
 
         def one_layer(carry, inputs):

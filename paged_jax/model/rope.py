@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,10 +39,30 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """positions i32[*tok] -> (cos, sin), each f32[*tok, head_dim]."""
+    """positions i32[*tok] -> (cos, sin), each f32[*tok, head_dim], computed in the graph."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_tables(inv_freq: np.ndarray, num_positions: int) -> np.ndarray:
+    """f32[2, num_positions, head_dim]: cos and sin of every position below num_positions,
+    with the same float32 angles as `rope_cos_sin`.
+
+    Why a table: XLA fuses the cheap-looking cos/sin into every consumer (an optimization
+    barrier does not survive the CPU pipeline), so each layer's q and k rotation recomputed
+    them per head with scalar libm calls: sincos was 9% of a 1024-token SmolLM2 prefill step
+    on CPU (a one-off `perf` profile, not a committed record). A row gather per layer costs
+    almost nothing."""
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.stack([np.cos(angles), np.sin(angles)]).astype(np.float32)
+
+
+def lookup_cos_sin(tables: jnp.ndarray, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(cos, sin) rows of `rope_tables` for positions i32[*tok] (clamped to the table)."""
+    rows = jnp.take(tables, positions, axis=1, mode="clip")
+    return rows[0], rows[1]
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:

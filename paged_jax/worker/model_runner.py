@@ -3,8 +3,9 @@
 It owns the device KV cache and the host swap space, turns each SchedulerOutput into a
 padded BatchInputs (numpy), and runs one jitted step per (seq, token) bucket with the
 cache donated: the model over the new tokens (K/V written at their slots, attention
-through the block tables), logits for each row's last token, and sampling with per-row
-parameters. Copy-on-write block copies run as their own jitted call, only in steps that
+through the block tables) and logits for each row's last token; then the step's head, a
+jitted call of its own (`step_head.py` says why): greedy rows take the argmax, and only a
+batch with a sampled row runs the sampler with its per-row parameters. Copy-on-write block copies run as their own jitted call, only in steps that
 have any (the batch's copy list is padded to max_num_seqs entries; copying the padding
 inside every step cost 36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`).
 Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -43,24 +44,13 @@ from paged_jax.distributed import tensor_parallel as tp
 from paged_jax.model.decoder import LlamaDecoder
 from paged_jax.model.functional import check_params, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import Params
+from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.block_tables import HostBlockTables
-from paged_jax.worker.sampler import sample_tokens
+from paged_jax.worker.step_head import StepResult, greedy_head, sampled_head
 
 SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
-
-
-class StepResult(NamedTuple):
-    """Per scheduled chunk (row): what the step sampled and the next-token distribution's
-    head (beam search candidates and the API's top logprobs; raw logits, no temperature),
-    computed only in steps where some row asks for it (zeros otherwise: a top-K over the
-    whole vocabulary for every row cost 12 ms of a 64-row SmolLM2 step here)."""
-
-    tokens: np.ndarray  # i32[rows]: the sampled token
-    logprobs: np.ndarray  # f32[rows]: its log-probability
-    top_ids: np.ndarray  # i32[rows, K]: the K most likely next tokens, best first
-    top_logprobs: np.ndarray  # f32[rows, K]: their log-probabilities
 
 
 class ModelRunner:
@@ -74,6 +64,11 @@ class ModelRunner:
         # it; a tensor-parallel step keeps the scan (its shardings follow the stacked parameter layout)
         self.unroll_layers = (config.layer_loop == "unroll" and mesh is None
                               and "unroll_layers" in inspect.signature(model_class.__call__).parameters)
+        # cos/sin of every position, gathered by the step (rope.rope_tables says why), where the class takes them
+        self.rope_tables = None
+        if "rope_tables" in inspect.signature(model_class.__call__).parameters:
+            inv_freq = inverse_frequencies(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling)
+            self.rope_tables = rope_tables(inv_freq, config.max_model_len)
         self.model_config = model_config
         self.config = config
         self.graphdef, param_shapes = split_model(model_class, model_config)
@@ -104,13 +99,21 @@ class ModelRunner:
         self.on_step: Callable[[BatchInputs], None] | None = None
         step_shardings = {} if mesh is None else tp.jit_kwargs(mesh, params)
         swap_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
+        if mesh is not None:  # the rope tables: replicated like the batch
+            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], tp.replicated(mesh))
+        if self.rope_tables is not None:
+            self.rope_tables = jax.device_put(self.rope_tables, tp.replicated(mesh) if mesh is not None else None)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), **step_shardings)
+        head_shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh),
+                                                   "out_shardings": tp.replicated(mesh)}
+        self._greedy_head = jax.jit(self._greedy_head_impl, **head_shardings)
+        self._sampled_head = jax.jit(self._sampled_head_impl, **head_shardings)
         self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **swap_shardings)
         self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,), **swap_shardings)
         self._gather_blocks = jax.jit(self._gather_blocks_impl)
 
     # ---- device functions -------------------------------------------------------------
-    def _step_impl(self, params, kv_cache, batch: BatchInputs):
+    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables):
         self.num_compilations += 1  # runs only while tracing
         cfg = self.model_config
         meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
@@ -118,31 +121,34 @@ class ModelRunner:
                                       backend=self.config.attention_backend)
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
+        extra = {} if rope_tables is None else {"rope_tables": rope_tables}
         if self.unroll_layers:
             model = nnx.merge(self.graphdef, restack_layers(params))
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True)
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
+                                     **extra)
         else:
             model = nnx.merge(self.graphdef, params)
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention)
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
         logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(batch.seeds, batch.sample_index)
-        tokens = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, keys)
-        logits = logits.astype(jnp.float32)
-        log_norm = jax.nn.logsumexp(logits, axis=-1)  # log_softmax without materializing it
-        logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
-        k = self.num_top_logprobs
+        return logits, kv_cache
 
-        def top():  # top-K over the whole vocabulary: only when a row asked (API logprobs, beams)
-            values, ids = jax.lax.top_k(logits, k)
-            return values - log_norm[:, None], ids
+    def _greedy_head_impl(self, logits, want_top):
+        self.num_compilations += 1
+        return greedy_head(logits, want_top, k=self.num_top_logprobs)
 
-        def no_top():
-            return jnp.zeros((logits.shape[0], k), jnp.float32), jnp.zeros((logits.shape[0], k), jnp.int32)
+    def _sampled_head_impl(self, logits, *sampling):
+        self.num_compilations += 1
+        return sampled_head(logits, *sampling, k=self.num_top_logprobs)
 
-        top_logprobs, top_ids = jax.lax.cond(batch.want_top[0] > 0, top, no_top)
-        return StepResult(tokens, logprobs, top_ids, top_logprobs), kv_cache
+    def _head(self, logits, batch: BatchInputs) -> StepResult:
+        """Tokens, logprobs and top-K from the step's logits (`paged_jax/worker/step_head.py`
+        says why this is a call of its own): the sampler only when a row samples."""
+        if batch.temperature.any():
+            return self._sampled_head(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                                      batch.seeds, batch.sample_index, batch.want_top)
+        return self._greedy_head(logits, batch.want_top)
 
     @staticmethod
     def _swap_in_impl(kv_cache, dst, k_blocks, v_blocks):
@@ -156,10 +162,14 @@ class ModelRunner:
     # ---- host API ---------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every bucket now, so serving never waits on the compiler."""
+        heads_compiled = set()
         for num_seqs, num_tokens in self.batch_shapes():
             batch = self.empty_batch(num_seqs, num_tokens)
-            result, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-            result.tokens.block_until_ready()
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables)
+            jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
+            if num_seqs not in heads_compiled:  # the sampler too, once per row bucket
+                heads_compiled.add(num_seqs)
+                jax.block_until_ready(self._head(logits, batch._replace(temperature=np.ones_like(batch.temperature))))
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
         if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
@@ -196,8 +206,8 @@ class ModelRunner:
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
-        result, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-        result = StepResult(*(np.asarray(a) for a in result))
+        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables)
+        result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)))
         self.device_seconds += time.perf_counter() - start
         return result
 

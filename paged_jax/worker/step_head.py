@@ -1,0 +1,68 @@
+"""The step's head: from a batch's logits to each row's token, its logprob and the top-K.
+
+Why it is its own jitted call and not the tail of the model step: XLA on CPU gives each
+executable one preallocated temp buffer, sized for everything the function may hold at
+once, whichever branch of a `cond` runs. The sampler's random path (threefry bits and a
+full-vocabulary sort: a dozen [rows, vocab] arrays) made the model step's temp 84 MiB at
+64 rows on SmolLM2, above glibc's 32 MiB ceiling for reusing freed memory, so every step
+mapped fresh pages and faulted on them: ~3,300 page faults (12.6 MiB of zeroed pages) in
+every 64-row decode step, even all-greedy ones (`experiments/trace_step_breakdown.py`
+records faults per step). Now the model step returns the logits (a small temp, reused), a
+batch of greedy rows runs `greedy_head` (argmax and logsumexp fuse into reductions: no
+[rows, vocab] temporaries), and only a batch with a sampled row runs `sampled_head`. The
+host picks the head from the batch's temperatures, which it already holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.worker.sampler import sample_tokens
+
+
+class StepResult(NamedTuple):
+    """Per scheduled chunk (row): what the step sampled and the next-token distribution's
+    head (beam search candidates and the API's top logprobs; raw logits, no temperature),
+    computed only in steps where some row asks for it (zeros otherwise: a top-K over the
+    whole vocabulary for every row cost 12 ms of a 64-row SmolLM2 step here)."""
+
+    tokens: np.ndarray  # i32[rows]: the sampled token
+    logprobs: np.ndarray  # f32[rows]: its log-probability
+    top_ids: np.ndarray  # i32[rows, K]: the K most likely next tokens, best first
+    top_logprobs: np.ndarray  # f32[rows, K]: their log-probabilities
+
+
+def _result(logits, tokens, want_top, k: int) -> StepResult:
+    """Logprob of each row's token (log_softmax without materializing it) and, when a row
+    asked (`want_top[0] > 0`), the top-K of the raw distribution."""
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
+
+    def top():
+        values, ids = jax.lax.top_k(logits, k)
+        return values - log_norm[:, None], ids
+
+    def no_top():
+        return jnp.zeros((logits.shape[0], k), jnp.float32), jnp.zeros((logits.shape[0], k), jnp.int32)
+
+    top_logprobs, top_ids = jax.lax.cond(want_top[0] > 0, top, no_top)
+    return StepResult(tokens, logprobs, top_ids, top_logprobs)
+
+
+def greedy_head(logits, want_top, *, k: int) -> StepResult:
+    """Every row greedy (temperature 0 or padding): the argmax."""
+    logits = logits.astype(jnp.float32)
+    return _result(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), want_top, k)
+
+
+def sampled_head(logits, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *, k: int) -> StepResult:
+    """Some row samples: `sample_tokens` with per-row parameters; row b draws with
+    fold_in(key(seeds[b]), sample_index[b]), so its stream does not depend on its batch."""
+    logits = logits.astype(jnp.float32)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
+    tokens = sample_tokens(logits, temperature, top_k, top_p, min_p, keys)
+    return _result(logits, tokens, want_top, k)
