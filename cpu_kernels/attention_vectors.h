@@ -16,11 +16,21 @@
 
 namespace paged_jax_cpu {
 
-constexpr int kTileTokens = 8;  // query tokens per work item: each key row loaded serves all of them
-constexpr int kMaxRows = 64;    // kTileTokens * query heads per KV head (GQA group) at most
+constexpr int kMaxRows = 64;  // query rows (tokens x query heads) per work item: each key row loaded serves them all
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
 constexpr int kLanes = 16;  // keys scored at once (one AVX-512 register of f32)
+
+// Ask for `rows` rows of `row_elems` values (row j at base + j * row_stride) to be brought
+// into cache: the kernel calls it for the next block's K and V while it computes on this
+// one, since a sequence's blocks are scattered and no hardware prefetcher can guess them.
+template <typename T>
+inline void prefetch_rows(const T* base, int32_t rows, int64_t row_stride, int64_t row_elems) {
+  const char* p = reinterpret_cast<const char*>(base);
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T)), stride = row_stride * static_cast<int64_t>(sizeof(T));
+  for (int32_t j = 0; j < rows; ++j)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o);
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bits) {  // bfloat16 -> float: the top half of an f32
@@ -143,8 +153,10 @@ inline float softmax_weights16(float* row, int32_t j0, int32_t j1, int32_t a, in
 }
 
 // out1 += sum_j w1[j] v_j and out2 += sum_j w2[j] v_j over keys [a, e) (v_j at vrows + j *
-// stride), 64 dims at a time; out2 null: one row. D % 64 == 0.
-inline void pv2(float* out1, float* out2, const float* w1, const float* w2, const float* vrows, int64_t stride,
+// stride, f32 or bf16 read straight from the cache), 64 dims at a time; out2 null: one
+// row. D % 64 == 0.
+template <typename T>
+inline void pv2(float* out1, float* out2, const float* w1, const float* w2, const T* vrows, int64_t stride,
                 int64_t D, int32_t a, int32_t e) {
   for (int64_t c = 0; c < D; c += 4 * kLanes) {
     __m512 x[4], y[4];
@@ -153,10 +165,10 @@ inline void pv2(float* out1, float* out2, const float* w1, const float* w2, cons
       y[k] = out2 ? _mm512_loadu_ps(out2 + c + k * kLanes) : _mm512_setzero_ps();
     }
     for (int32_t j = a; j < e; ++j) {
-      const float* vj = vrows + j * stride + c;
+      const T* vj = vrows + j * stride + c;
       const __m512 p1 = _mm512_set1_ps(w1[j]), p2 = _mm512_set1_ps(out2 ? w2[j] : 0.0f);
       for (int k = 0; k < 4; ++k) {
-        const __m512 vk = _mm512_loadu_ps(vj + k * kLanes);
+        const __m512 vk = load16(vj + k * kLanes);
         x[k] = _mm512_fmadd_ps(p1, vk, x[k]);
         y[k] = _mm512_fmadd_ps(p2, vk, y[k]);
       }

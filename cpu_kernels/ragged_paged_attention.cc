@@ -16,8 +16,8 @@
 // [max(0, position - window + 1), position]. Slots past a context are never read.
 // Attributes: sm_scale; sliding_window (0: none); soft_cap (0: none).
 //
-// Work is split into items (sequence, a range of KV heads, a tile of up to kTileTokens
-// query tokens: at most kMaxRows query rows) that the XLA intra-op thread pool's threads
+// Work is split into items (sequence, a range of KV heads, a tile of query tokens: at
+// most kMaxRows query rows) that the XLA intra-op thread pool's threads
 // and the calling thread take from a shared counter.
 
 #include <algorithm>
@@ -116,6 +116,15 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
     const int32_t j0 = std::max<int32_t>(key_begin - b * bs, 0);
     const int32_t j1 = std::min<int32_t>(key_end - b * bs, bs);
     const int64_t base = (static_cast<int64_t>(block) * bs) * row_stride + item.first_kv_head * D;
+    if ((b + 1) * bs < key_end) {  // the next block's rows of these heads, while this one computes
+      const int32_t next = table[b + 1];
+      if (next >= 0 && next < p.num_blocks) {
+        const int64_t next_base = (static_cast<int64_t>(next) * bs) * row_stride + item.first_kv_head * D;
+        const int32_t next_rows = std::min<int32_t>(bs, key_end - (b + 1) * bs);
+        prefetch_rows(k + next_base, next_rows, row_stride, nh * D);
+        prefetch_rows(v + next_base, next_rows, row_stride, nh * D);
+      }
+    }
     for (int hh = 0; hh < nh; ++hh) {  // scores of this block's keys [j0, j1)
       const T* keys = k + base + hh * D;
       if (item.num_tokens == 1) {
@@ -198,16 +207,6 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
     }
     for (int hh = 0; hh < nh; ++hh) {  // acc += p v: each row's accumulator stays in registers over the keys
       const T* values = v + base + hh * D;
-      const float* vrows;
-      int64_t vstride;
-      if constexpr (std::is_same_v<T, float>) {
-        vrows = values, vstride = row_stride;
-      } else {
-        for (int32_t j = j0; j < j1; ++j)
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
-        vrows = &w.vb[0][0], vstride = kMaxHeadDim;
-      }
       int head_rows[kMaxRows], n = 0;  // this KV head's query rows
       for (int tok = 0; tok < item.num_tokens; ++tok)
         for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
@@ -220,16 +219,28 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         for (; i + 1 < n; i += 2) {
           const auto [a1, e1] = range(head_rows[i]);
           const auto [a2, e2] = range(head_rows[i + 1]);
-          pv2(acc[head_rows[i]], acc[head_rows[i + 1]], s[head_rows[i]], s[head_rows[i + 1]], vrows, vstride, D,
+          pv2(acc[head_rows[i]], acc[head_rows[i + 1]], s[head_rows[i]], s[head_rows[i + 1]], values, row_stride, D,
               std::min(a1, a2), std::max(e1, e2));
         }
         if (i < n) {
           const auto [a1, e1] = range(head_rows[i]);
-          pv2(acc[head_rows[i]], nullptr, s[head_rows[i]], nullptr, vrows, vstride, D, a1, e1);
+          pv2(acc[head_rows[i]], static_cast<float*>(nullptr), s[head_rows[i]], static_cast<const float*>(nullptr),
+              values, row_stride, D, a1, e1);
           ++i;
         }
       }
 #endif
+      if (i == n) continue;
+      const float* vrows;  // the portable loop reads f32 rows: bf16 values are converted once
+      int64_t vstride;
+      if constexpr (std::is_same_v<T, float>) {
+        vrows = values, vstride = row_stride;
+      } else {
+        for (int32_t j = j0; j < j1; ++j)
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
+        vrows = &w.vb[0][0], vstride = kMaxHeadDim;
+      }
       for (; i < n; ++i) {
         const int r = head_rows[i];
         const auto [a, e] = range(r);
@@ -294,10 +305,12 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (p.num_heads % p.num_kv_heads || p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize ||
       kd[3] != p.head_dim || p.num_heads / p.num_kv_heads > kMaxRows)
     return ffi::Error::InvalidArgument("unsupported shapes (head_dim <= 256, block_size <= 256, group <= 64)");
-  // an item: as many KV heads as fit kMaxRows query rows, then as many tokens as fit
+  // a decode item (one token): as many KV heads as fit kMaxRows query rows, so one pass over
+  // the blocks serves them all; a prefill item: one KV head and as many tokens as fit, since
+  // its cost is per head (each block's keys are transposed and scored for that head's rows)
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int heads = static_cast<int>(std::min<int64_t>(p.num_kv_heads, kMaxRows / group));
-  const int tile = std::max(1, std::min(kTileTokens, kMaxRows / (heads * group)));
+  const int tile = std::max(1, kMaxRows / group);
   // the items write every head of every token in [qsl[0], qsl[S]); only the rest is zeroed
   const int64_t row = p.num_heads * p.head_dim, tokens = p.num_tokens;
   const int64_t first = std::clamp<int64_t>(p.query_start[0], 0, tokens);
@@ -310,9 +323,13 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     if (p.query_start[s] < 0 || q_len > ctx || ctx > p.max_blocks * p.block_size ||
         p.query_start[s + 1] > p.num_tokens)
       return ffi::Error::InvalidArgument("query_start_loc / context_lens out of range");
-    for (int32_t h = 0; h < p.num_kv_heads; h += heads)
-      for (int32_t t = 0; t < q_len; t += tile)
-        work->items.push_back({s, t, std::min(tile, q_len - t), h, static_cast<int32_t>(std::min<int64_t>(heads, p.num_kv_heads - h))});
+    if (q_len == 1) {
+      for (int32_t h = 0; h < p.num_kv_heads; h += heads)
+        work->items.push_back({s, 0, 1, h, static_cast<int32_t>(std::min<int64_t>(heads, p.num_kv_heads - h))});
+      continue;
+    }
+    for (int32_t h = 0; h < p.num_kv_heads; ++h)
+      for (int32_t t = 0; t < q_len; t += tile) work->items.push_back({s, t, std::min(tile, q_len - t), h, 1});
   }
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size()) - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain<T>(*work); });
