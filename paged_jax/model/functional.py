@@ -70,3 +70,17 @@ def restack_layers(params: Params) -> Params:
     """unstack_layers undone, inside jit: the module takes stacked layers. XLA folds each
     static slice of the stack back into the per-layer array, so nothing is copied."""
     return {**params, "layers": jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *params["layers"])}
+
+
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what DecoderLayer reads through dense
+
+
+def transpose_layer_matrices(params: Params) -> Params:
+    """Every layer's projection matrices as [out, in]: the layout `dense` takes inside
+    `decoder.weights_out_in()`. Works on stacked layers ([L, in, out] -> [L, out, in]) and
+    on unstack_layers' per-layer dicts; copies, so the caller's arrays are untouched."""
+    def flip(layer: dict) -> dict:
+        return {name: jnp.swapaxes(a, -1, -2) if name in LAYER_MATRICES else a for name, a in layer.items()}
+
+    layers = params["layers"]
+    return {**params, "layers": tuple(map(flip, layers)) if isinstance(layers, tuple) else flip(layers)}

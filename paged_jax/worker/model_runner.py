@@ -25,6 +25,7 @@ shardings are pinned so the donated cache never moves. Without one, nothing chan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -41,8 +42,9 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
-from paged_jax.model.decoder import LlamaDecoder
-from paged_jax.model.functional import check_params, restack_layers, split_model, unstack_layers
+from paged_jax.model.decoder import DecoderLayer, LlamaDecoder, weights_out_in
+from paged_jax.model.functional import (check_params, restack_layers, split_model, transpose_layer_matrices,
+                                       unstack_layers)
 from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
@@ -74,6 +76,16 @@ class ModelRunner:
         self.graphdef, param_shapes = split_model(model_class, model_config)
         check_params(param_shapes, params, f"params for {model_class.__name__}")
         self.params = unstack_layers(params) if self.unroll_layers else params
+        # on CPU the stock layers take bf16 matrices as [out, in] (decoder.weights_out_in says why; f32
+        # dots measured the same either way); a layer class with its own attention or MLP may multiply
+        # them any way, so it keeps [in, out]
+        layer_class = getattr(model_class, "layer_class", None)
+        bf16 = params["layers"]["wq"].dtype == jnp.bfloat16 if "wq" in params.get("layers", {}) else False
+        self.weights_out_in = (jax.default_backend() == "cpu" and mesh is None and bf16 and layer_class is not None
+                               and layer_class.attention is DecoderLayer.attention
+                               and layer_class.mlp is DecoderLayer.mlp)
+        if self.weights_out_in:
+            self.params = transpose_layer_matrices(self.params)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -122,13 +134,14 @@ class ModelRunner:
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
         extra = {} if rope_tables is None else {"rope_tables": rope_tables}
-        if self.unroll_layers:
-            model = nnx.merge(self.graphdef, restack_layers(params))
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
-                                     **extra)
-        else:
-            model = nnx.merge(self.graphdef, params)
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
+        with weights_out_in() if self.weights_out_in else contextlib.nullcontext():
+            if self.unroll_layers:
+                model = nnx.merge(self.graphdef, restack_layers(params))
+                hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention,
+                                         unroll_layers=True, **extra)
+            else:
+                model = nnx.merge(self.graphdef, params)
+                hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
         logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
