@@ -22,13 +22,14 @@ import subprocess
 import tempfile
 import warnings
 
-SOURCES = ("ragged_paged_attention.cc", "write_kv.cc")
+SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc")
 HEADERS = ("attention_vectors.h",)
 TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_ragged_paged_attention_f32": "RaggedPagedAttentionF32",
     "paged_jax_ragged_paged_attention_bf16": "RaggedPagedAttentionBF16",
     "paged_jax_write_kv_f32": "WriteKvF32",
     "paged_jax_write_kv_bf16": "WriteKvBF16",
+    "paged_jax_amx_matmul_bf16": "AmxMatmulBF16",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 

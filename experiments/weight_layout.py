@@ -1,4 +1,4 @@
-"""Which weight layout makes XLA CPU's dots fastest: [in, out] or [out, in].
+"""Which weight layout makes CPU matmuls fastest: [in, out], [out, in], or AMX tiles packed once.
 
     python -m experiments.weight_layout             # SmolLM2's projection shapes, bf16 and f32
     python -m experiments.weight_layout --rounds=3  # faster, noisier
@@ -6,12 +6,14 @@
 Why: a decode-step profile (`perf record` on the engine) showed XLA's dot library
 repacking every weight matrix for AMX on every call (`ynn::interleave2_x16` took as much
 time as the matmuls themselves), and the repacking of an [out, in] matrix is a cheaper
-transpose. For each SmolLM2-135M projection shape and row count this times 30 distinct
-weights (like 30 layers, so they come from memory, not cache) as x @ w with w [in, out]
-and as a dot_general over w's last axis with w [out, in], alternating the two in
---rounds rounds (the machine's speed drifts; a paired comparison per round survives that)
-and keeping each one's fastest round. Writes experiments/results/weight_layout.json; the
-runner's CPU serving layout (`paged_jax.model.decoder.weights_out_in`) follows it.
+transpose; packing once (cpu_kernels/amx_matmul.cc, bf16 on AMX machines) removes it. For
+each SmolLM2-135M projection shape and row count this times 30 distinct weights (like 30
+layers, so they come from memory, not cache) as x @ w with w [in, out], as a dot_general
+over w's last axis with w [out, in], and (bf16, where AMX runs) as the AMX kernel on
+packed weights, alternating them in --rounds rounds (the machine's speed drifts; a paired
+comparison per round survives that) and keeping each one's fastest round. Writes
+experiments/results/weight_layout.json; the runner's CPU serving layout
+(`paged_jax.model.decoder.weight_layout`) follows it.
 """
 
 from __future__ import annotations
@@ -51,30 +53,35 @@ def main(argv):
     in_out = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32) for w in ws])
     out_in = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                                         preferred_element_type=jnp.float32) for w in ws])
+    from cpu_kernels import amx_matmul
+    amx = jax.jit(lambda x, ws: [amx_matmul.amx_matmul(x, w) for w in ws])
     rows = []
     for dtype in _DTYPES.value:
         for name, (k, n) in SHAPES.items():
             weights = [jnp.asarray(rng.standard_normal((k, n)) * 0.02, dtype) for _ in range(NUM_WEIGHTS)]
-            transposed = [w.T.copy() for w in weights]
+            variants = {"in_out": (in_out, weights), "out_in": (out_in, [w.T.copy() for w in weights])}
+            if dtype == "bfloat16" and amx_matmul.supported():
+                variants["amx_tiles"] = (amx, [amx_matmul.pack_weights(w) for w in weights])
             for m in map(int, _ROWS.value):
                 x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-                jax.block_until_ready(in_out(x, weights))
-                jax.block_until_ready(out_in(x, transposed))
-                a, b = [], []
+                for fn, ws in variants.values():
+                    jax.block_until_ready(fn(x, ws))
+                times = {v: [] for v in variants}
                 for _ in range(_ROUNDS.value):
-                    a.append(_seconds(in_out, x, weights))
-                    b.append(_seconds(out_in, x, transposed))
+                    for v, (fn, ws) in variants.items():
+                        times[v].append(_seconds(fn, x, ws))
                 flop = 2 * m * k * n * NUM_WEIGHTS
-                row = {"dtype": dtype, "shape": name, "rows": m,
-                       "in_out_ms_per_dot": round(1e3 * min(a) / NUM_WEIGHTS, 4),
-                       "out_in_ms_per_dot": round(1e3 * min(b) / NUM_WEIGHTS, 4),
-                       "in_out_gflops": round(flop / min(a) / 1e9, 1), "out_in_gflops": round(flop / min(b) / 1e9, 1),
-                       "speedup": round(min(a) / min(b), 3),
-                       "rounds_out_in_faster": sum(y < z for z, y in zip(a, b)), "rounds": _ROUNDS.value}
+                row = {"dtype": dtype, "shape": name, "rows": m, "rounds": _ROUNDS.value}
+                for v, t in times.items():
+                    row[f"{v}_ms_per_dot"] = round(1e3 * min(t) / NUM_WEIGHTS, 4)
+                    row[f"{v}_gflops"] = round(flop / min(t) / 1e9, 1)
+                row["out_in_speedup"] = round(min(times["in_out"]) / min(times["out_in"]), 3)
+                row["rounds_out_in_faster"] = sum(b < a for a, b in zip(times["in_out"], times["out_in"]))
+                if "amx_tiles" in times:
+                    row["amx_tiles_speedup_over_out_in"] = round(min(times["out_in"]) / min(times["amx_tiles"]), 3)
                 rows.append(row)
-                print(f"{dtype:<9} {name:<18} rows {m:<5} [in,out] {row['in_out_gflops']:6.0f} GFLOP/s  "
-                      f"[out,in] {row['out_in_gflops']:6.0f} GFLOP/s  x{row['speedup']:.2f} "
-                      f"({row['rounds_out_in_faster']}/{row['rounds']} rounds faster)", flush=True)
+                print(f"{dtype:<9} {name:<18} rows {m:<5} " + "  ".join(
+                    f"{v} {row[v + '_gflops']:6.0f}" for v in times) + " GFLOP/s", flush=True)
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures={"rows": rows}))
 

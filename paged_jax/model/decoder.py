@@ -56,22 +56,30 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-_WEIGHTS_OUT_IN = contextvars.ContextVar("paged_jax_weights_out_in", default=False)
+WEIGHT_LAYOUTS = ("in_out", "out_in", "amx_tiles")
+_WEIGHT_LAYOUT = contextvars.ContextVar("paged_jax_weight_layout", default="in_out")
 
 
 @contextlib.contextmanager
-def weights_out_in():
-    """While tracing inside this, `dense` takes its weight matrices as [out, in] (PyTorch's
-    Linear layout) instead of [in, out]: the serving layout the runner uses on CPU, where
-    XLA's dot packs the weights for AMX on every call and packing [out, in] is the cheaper
-    transpose. Measured on a 2-core Xeon (`python -m experiments.weight_layout`): bf16
-    64-row dots of SmolLM2's MLP shapes ran 1.26x (gate/up) and 1.79x (down) faster, f32
-    dots the same either way (so the runner transposes bf16 weights only)."""
-    token = _WEIGHTS_OUT_IN.set(True)
+def weight_layout(layout: str):
+    """While tracing inside this, `dense` takes its weight matrices in `layout`:
+      "in_out"     [in, out], the checkpoint layout (the default);
+      "out_in"     [out, in] (PyTorch's Linear layout), contracted on their last axis;
+      "amx_tiles"  packed once into Intel AMX tiles (`cpu_kernels.amx_matmul.pack_weights`)
+                   and multiplied by the native AMX kernel.
+    The runner's CPU serving layouts, for bf16 weights: XLA's CPU dot repacks the weights
+    for AMX on every call, which in a 64-row SmolLM2 decode step cost about as much as the
+    matmuls. Packing [out, in] is the cheaper repack (`python -m experiments.weight_layout`:
+    bf16 64-row dots 1.33x faster for gate/up, 1.73x for down; f32 0.9-1.06x, so f32 keeps
+    [in, out]), and packing once removes it ("amx_tiles": 1.13-1.50x over "out_in" at 64
+    and 1024 rows, same record)."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+    token = _WEIGHT_LAYOUT.set(layout)
     try:
         yield
     finally:
-        _WEIGHTS_OUT_IN.reset(token)
+        _WEIGHT_LAYOUT.reset(token)
 
 
 def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
@@ -81,9 +89,13 @@ def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     the product and the residual stream stays float32. On these CPUs (avx512_bf16) a bf16
     x bf16 -> f32 dot ran 240-420 GFLOP/s against 150-217 for f32, while dots with bf16
     *outputs* were the slowest of all. With float32 weights this is the plain f32 matmul.
-    Inside `weights_out_in()`, w is [out, in] and the product contracts its last axis.
+    Inside `weight_layout(...)`, w is in that layout.
     """
-    if _WEIGHTS_OUT_IN.get():
+    layout = _WEIGHT_LAYOUT.get()
+    if layout == "amx_tiles":
+        from cpu_kernels.amx_matmul import amx_matmul
+        return amx_matmul(x, w)
+    if layout == "out_in":
         return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)

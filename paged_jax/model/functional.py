@@ -75,12 +75,22 @@ def restack_layers(params: Params) -> Params:
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what DecoderLayer reads through dense
 
 
-def transpose_layer_matrices(params: Params) -> Params:
-    """Every layer's projection matrices as [out, in]: the layout `dense` takes inside
-    `decoder.weights_out_in()`. Works on stacked layers ([L, in, out] -> [L, out, in]) and
+def layer_matrices_as(params: Params, layout: str) -> Params:
+    """Every layer's projection matrices in `layout` (see `decoder.weight_layout`): "out_in"
+    transposes them, "amx_tiles" packs them for the AMX kernel. Works on stacked layers and
     on unstack_layers' per-layer dicts; copies, so the caller's arrays are untouched."""
+    if layout == "in_out":
+        return params
+    if layout == "out_in":
+        convert = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
+    elif layout == "amx_tiles":
+        from cpu_kernels.amx_matmul import pack_weights
+        convert = lambda a: pack_weights(a) if a.ndim == 2 else jnp.stack([pack_weights(m) for m in a])  # noqa: E731
+    else:
+        raise ValueError(f"unknown weight layout {layout!r}")
+
     def flip(layer: dict) -> dict:
-        return {name: jnp.swapaxes(a, -1, -2) if name in LAYER_MATRICES else a for name, a in layer.items()}
+        return {name: convert(a) if name in LAYER_MATRICES else a for name, a in layer.items()}
 
     layers = params["layers"]
     return {**params, "layers": tuple(map(flip, layers)) if isinstance(layers, tuple) else flip(layers)}

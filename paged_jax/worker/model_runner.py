@@ -25,7 +25,6 @@ shardings are pinned so the donated cache never moves. Without one, nothing chan
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
@@ -42,9 +41,9 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
-from paged_jax.model.decoder import DecoderLayer, LlamaDecoder, weights_out_in
-from paged_jax.model.functional import (check_params, restack_layers, split_model, transpose_layer_matrices,
-                                       unstack_layers)
+from paged_jax.model.decoder import DecoderLayer, LlamaDecoder, weight_layout
+from paged_jax.model.functional import (LAYER_MATRICES, check_params, layer_matrices_as, restack_layers,
+                                       split_model, unstack_layers)
 from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
@@ -76,16 +75,8 @@ class ModelRunner:
         self.graphdef, param_shapes = split_model(model_class, model_config)
         check_params(param_shapes, params, f"params for {model_class.__name__}")
         self.params = unstack_layers(params) if self.unroll_layers else params
-        # on CPU the stock layers take bf16 matrices as [out, in] (decoder.weights_out_in says why; f32
-        # dots measured the same either way); a layer class with its own attention or MLP may multiply
-        # them any way, so it keeps [in, out]
-        layer_class = getattr(model_class, "layer_class", None)
-        bf16 = params["layers"]["wq"].dtype == jnp.bfloat16 if "wq" in params.get("layers", {}) else False
-        self.weights_out_in = (jax.default_backend() == "cpu" and mesh is None and bf16 and layer_class is not None
-                               and layer_class.attention is DecoderLayer.attention
-                               and layer_class.mlp is DecoderLayer.mlp)
-        if self.weights_out_in:
-            self.params = transpose_layer_matrices(self.params)
+        self.weight_layout = self._serving_weight_layout(params, model_class, mesh)
+        self.params = layer_matrices_as(self.params, self.weight_layout)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -124,6 +115,26 @@ class ModelRunner:
         self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,), **swap_shardings)
         self._gather_blocks = jax.jit(self._gather_blocks_impl)
 
+    @staticmethod
+    def _serving_weight_layout(params, model_class, mesh) -> str:
+        """How the layers' matrices are held (decoder.weight_layout says why): on CPU, bf16
+        weights of the stock layers are packed for the AMX kernel where the machine has AMX
+        and every matrix fits its tiles, else kept [out, in]; f32 weights (the same speed
+        either way), other platforms, tensor parallelism (its shardings follow [in, out]) and
+        layer classes with their own attention or MLP (they may multiply them any way) keep
+        [in, out]."""
+        layer_class = getattr(model_class, "layer_class", None)
+        layers = params.get("layers", {})
+        if (jax.default_backend() != "cpu" or mesh is not None or layer_class is None
+                or layer_class.attention is not DecoderLayer.attention or layer_class.mlp is not DecoderLayer.mlp
+                or not all(name in layers for name in LAYER_MATRICES)
+                or layers["wq"].dtype != jnp.bfloat16):
+            return "in_out"
+        from cpu_kernels import amx_matmul
+        if amx_matmul.supported() and all(amx_matmul.packable(layers[name][0]) for name in LAYER_MATRICES):
+            return "amx_tiles"
+        return "out_in"
+
     # ---- device functions -------------------------------------------------------------
     def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables):
         self.num_compilations += 1  # runs only while tracing
@@ -134,7 +145,7 @@ class ModelRunner:
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
         extra = {} if rope_tables is None else {"rope_tables": rope_tables}
-        with weights_out_in() if self.weights_out_in else contextlib.nullcontext():
+        with weight_layout(self.weight_layout):
             if self.unroll_layers:
                 model = nnx.merge(self.graphdef, restack_layers(params))
                 hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention,

@@ -1,0 +1,85 @@
+"""The AMX matmul (cpu_kernels/amx_matmul.cc) against XLA's dot, its weight packing against
+its formula, and the runner's choice of serving weight layout.
+
+On a machine without AMX the kernel tests assert that the CPU indeed lacks it (so a build
+that silently lost AMX on an AMX machine fails here) and the runner tests check the
+fallback layout instead.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import amx_matmul, build
+
+HAS_AMX_CPU = "amx_bf16" in build._cpu_flags() and "amx_tile" in build._cpu_flags()
+
+
+def test_packing_follows_the_tile_formula():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    packed = np.asarray(amx_matmul.pack_weights(w), np.float32)
+    w32 = np.asarray(w, np.float32)
+    assert packed.shape == (3, 2, 16, 32)
+    for nb, kb, r, c, p in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 1, 5, 7, 1), (2, 1, 15, 15, 0), (2, 0, 3, 9, 1)]:
+        assert packed[nb, kb, r, 2 * c + p] == w32[32 * kb + 2 * r + p, 16 * nb + c]
+    assert sorted(packed.ravel()) == sorted(w32.ravel())  # a permutation: nothing lost or repeated
+
+
+def test_shapes_that_do_not_fit_the_tiles_are_refused():
+    assert not amx_matmul.packable(jnp.zeros((48, 32)))  # K % 32
+    assert not amx_matmul.packable(jnp.zeros((64, 24)))  # N % 16
+    with pytest.raises(ValueError, match="K % 32"):
+        amx_matmul.pack_weights(jnp.zeros((48, 32)))
+
+
+def test_supported_exactly_where_the_cpu_has_amx():
+    assert amx_matmul.supported() == HAS_AMX_CPU
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 16), (37, 576, 192), (64, 1536, 48), (3 * 16, 32, 80)])
+def test_matches_xla_dot(rows, k, n):
+    if not HAS_AMX_CPU:
+        assert not amx_matmul.supported()
+        return
+    rng = np.random.default_rng(rows + k + n)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, rows, k)), jnp.float32)  # leading dims, rows not a multiple of 16
+    want = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    got = jax.jit(amx_matmul.amx_matmul)(x, amx_matmul.pack_weights(w))
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    # both accumulate bf16 products in f32; only the summation order may differ
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def _runner(model, **settings):
+    from paged_jax.engine.llm import LLM
+    llm = LLM(model, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, seq_buckets=(2,),
+              token_buckets=(16,), num_blocks=16, block_size=8, **settings)
+    return llm.engine.core.runner
+
+
+def test_the_runner_packs_bf16_layers_on_cpu(tiny_llama):
+    bf16 = _runner(tiny_llama, dtype="bfloat16")
+    assert bf16.weight_layout == ("amx_tiles" if HAS_AMX_CPU else "out_in")
+    wq = bf16.params["layers"][0]["wq"]  # the CPU runner unrolls: per-layer dicts
+    h, q = tiny_llama.config.hidden_size, tiny_llama.config.q_size
+    assert wq.shape == ((q // 16, h // 32, 16, 32) if HAS_AMX_CPU else (q, h))
+    assert _runner(tiny_llama, dtype="float32").weight_layout == "in_out"
+
+
+def test_layer_classes_with_their_own_projections_keep_the_checkpoint_layout(tiny_llama):
+    from paged_jax.model.decoder import DecoderLayer, LlamaDecoder
+
+    class OwnMlp(DecoderLayer):
+        def mlp(self, x):
+            return jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...]) @ self.w_down[...]
+
+    class OwnMlpDecoder(LlamaDecoder):
+        layer_class = OwnMlp
+
+    model = dataclasses.replace(tiny_llama, model_class=OwnMlpDecoder)
+    assert _runner(model, dtype="bfloat16").weight_layout == "in_out"
