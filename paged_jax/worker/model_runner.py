@@ -77,6 +77,8 @@ class ModelRunner:
         self.params = unstack_layers(params) if self.unroll_layers else params
         self.weight_layout = self._serving_weight_layout(params, model_class, mesh)
         self.params = layer_matrices_as(self.params, self.weight_layout)
+        # with packed layers, the LM head too (its own copy: the embedding also serves the token lookup)
+        self.packed_head = self._packed_head(params, model_class) if self.weight_layout == "amx_tiles" else None
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -102,11 +104,12 @@ class ModelRunner:
         self.on_step: Callable[[BatchInputs], None] | None = None
         step_shardings = {} if mesh is None else tp.jit_kwargs(mesh, params)
         swap_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
-        if mesh is not None:  # the rope tables: replicated like the batch
-            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], tp.replicated(mesh))
+        if mesh is not None:  # rope tables, packed head (None here), logits buffer: replicated like the batch
+            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], *[tp.replicated(mesh)] * 3)
         if self.rope_tables is not None:
             self.rope_tables = jax.device_put(self.rope_tables, tp.replicated(mesh) if mesh is not None else None)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), **step_shardings)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5), **step_shardings)
+        self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
         head_shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh),
                                                    "out_shardings": tp.replicated(mesh)}
         self._greedy_head = jax.jit(self._greedy_head_impl, **head_shardings)
@@ -135,8 +138,22 @@ class ModelRunner:
             return "amx_tiles"
         return "out_in"
 
+    @staticmethod
+    def _packed_head(params, model_class):
+        """The LM head ([H, V]: the tied embedding transposed, or lm_head) packed for the AMX
+        kernel, for the stock `compute_logits` when the vocabulary fits the tiles; else None.
+        XLA's dot repacked the 49k x 576 embedding on every step (~10% of a 64-row SmolLM2
+        decode step in a `perf` profile, one-off)."""
+        from cpu_kernels import amx_matmul
+        if model_class.compute_logits is not LlamaDecoder.compute_logits:
+            return None
+        head = params.get("lm_head")
+        head = params["embed"].T if head is None else head
+        return amx_matmul.pack_weights(head) if amx_matmul.packable(head) else None
+
     # ---- device functions -------------------------------------------------------------
-    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables):
+    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer):
+        del logits_buffer  # only donated: XLA writes the logits into it (`_logits_buffer`)
         self.num_compilations += 1  # runs only while tracing
         cfg = self.model_config
         meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
@@ -153,7 +170,11 @@ class ModelRunner:
             else:
                 model = nnx.merge(self.graphdef, params)
                 hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
-        logits = model.compute_logits(hidden[batch.logits_indices])
+        if packed_head is not None:
+            from cpu_kernels.amx_matmul import amx_matmul
+            logits = amx_matmul(hidden[batch.logits_indices], packed_head)
+        else:
+            logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
         return logits, kv_cache
@@ -165,6 +186,20 @@ class ModelRunner:
     def _sampled_head_impl(self, logits, *sampling):
         self.num_compilations += 1
         return sampled_head(logits, *sampling, k=self.num_top_logprobs)
+
+    def _logits_buffer(self, batch: BatchInputs) -> jax.Array:
+        """A [rows, vocab] f32 buffer for the step to write its logits into: the previous
+        step's logits of this row bucket, donated (the head has read them by then). Why:
+        the logits are the step's one big output, and a fresh 12.6 MiB output per 64-row
+        SmolLM2 step came back from the allocator as new pages, ~2,700 page faults a step
+        (`trace_step_breakdown` counts them); a donated buffer is reused in place."""
+        rows = batch.block_tables.shape[0]
+        buffer = self._logits_buffers.pop(rows, None)
+        if buffer is None:
+            shape = (rows, self.model_config.vocab_size)
+            sharding = tp.replicated(self.mesh) if self.mesh is not None else None
+            buffer = jax.device_put(np.zeros(shape, np.float32), sharding)
+        return buffer
 
     def _head(self, logits, batch: BatchInputs) -> StepResult:
         """Tokens, logprobs and top-K from the step's logits (`paged_jax/worker/step_head.py`
@@ -189,11 +224,13 @@ class ModelRunner:
         heads_compiled = set()
         for num_seqs, num_tokens in self.batch_shapes():
             batch = self.empty_batch(num_seqs, num_tokens)
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables)
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables, self.packed_head,
+                                               self._logits_buffer(batch))
             jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
             if num_seqs not in heads_compiled:  # the sampler too, once per row bucket
                 heads_compiled.add(num_seqs)
                 jax.block_until_ready(self._head(logits, batch._replace(temperature=np.ones_like(batch.temperature))))
+            self._logits_buffers[num_seqs] = logits
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
         if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
@@ -230,8 +267,10 @@ class ModelRunner:
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
-        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables)
+        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables, self.packed_head,
+                                               self._logits_buffer(batch))
         result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)))
+        self._logits_buffers[logits.shape[0]] = logits
         self.device_seconds += time.perf_counter() - start
         return result
 

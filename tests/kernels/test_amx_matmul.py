@@ -68,6 +68,8 @@ def test_the_runner_packs_bf16_layers_on_cpu(tiny_llama):
     wq = bf16.params["layers"][0]["wq"]  # the CPU runner unrolls: per-layer dicts
     h, q = tiny_llama.config.hidden_size, tiny_llama.config.q_size
     assert wq.shape == ((q // 16, h // 32, 16, 32) if HAS_AMX_CPU else (q, h))
+    v = tiny_llama.config.vocab_size  # the LM head packed too (its own copy)
+    assert (bf16.packed_head.shape == (v // 16, h // 32, 16, 32)) if HAS_AMX_CPU else bf16.packed_head is None
     assert _runner(tiny_llama, dtype="float32").weight_layout == "in_out"
 
 
