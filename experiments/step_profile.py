@@ -12,12 +12,15 @@ separately jitted functions with the engine's own code:
 
   layers_scan          the decoder (norms, q/k/v/o and MLP matmuls, RoPE) with attention
   layers_unroll        replaced by the identity, as one lax.scan over the stacked layers and
-                       unrolled over per-layer arrays (layer_loop "scan" / "unroll")
+  layers_served        unrolled over per-layer arrays (layer_loop "scan" / "unroll"), and
+                       unrolled in the runner's CPU serving weight layout (bf16: packed for
+                       the AMX kernel where the CPU has AMX, else [out, in]; f32: as stored)
   attention_*          every layer's attention over a pool holding all layers' blocks (as
                        the engine's cache does, so K/V come from memory, not cache): the
                        native C++ kernel, the ragged Pallas kernel (interpret mode on CPU),
                        its jnp reference and the XLA chunked decode loop
-  logits               the head matmul for the batch's rows ([S, H] x [H, V])
+  logits               the head matmul for the batch's rows ([S, H] x [H, V]), and (served) on
+  logits_served        the AMX kernel with the head packed once where the runner does that
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
   sample_greedy        sample_tokens with temperature 0
   matmul_ceiling       one [S, H] x [H, I] matmul's FLOP rate, scaled to the model's FLOPs
@@ -25,7 +28,8 @@ separately jitted functions with the engine's own code:
 
 Times are medians of --iters calls after a warm-up. `step_ms_before` sums the step as the
 engine ran it before the native kernels (scan, Pallas kernel, top-K every step);
-`step_ms_after` as it runs now (unrolled, native, top-K only when asked). Writes
+`step_ms_after` as it runs now (unrolled in the serving layout, native attention, the
+served head, top-K only when asked). Writes
 experiments/results/step_profile.json (--dtype=bfloat16: bf16 weights and KV pool).
 """
 
@@ -68,8 +72,10 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
 
     from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
     from paged_jax.attention.chunked_attention import chunked_decode_attention
-    from paged_jax.model.decoder import LlamaDecoder, dense
-    from paged_jax.model.functional import restack_layers, split_model, unstack_layers
+    from cpu_kernels.amx_matmul import amx_matmul
+    from paged_jax.model.decoder import LlamaDecoder, dense, weight_layout
+    from paged_jax.model.functional import layer_matrices_as, restack_layers, split_model, unstack_layers
+    from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.worker.sampler import sample_tokens
     from pallas_kernels.ragged_paged_attention import (
         ragged_paged_attention,
@@ -89,6 +95,18 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
 
     def compute_logits(p, h):
         return nnx.merge(graphdef, p).compute_logits(h)
+
+    # the runner's CPU serving layout: bf16 matrices packed for the AMX kernel (or [out, in]), the head too
+    layout = ModelRunner._serving_weight_layout(params, LlamaDecoder, None)
+    served = layer_matrices_as(per_layer, layout)
+    packed_head = ModelRunner._packed_head(params, LlamaDecoder) if layout == "amx_tiles" else None
+
+    def layers_served_fn(p, i, s):
+        with weight_layout(layout):
+            return nnx.merge(graphdef, restack_layers(p))(i, s, {}, None, identity, unroll_layers=True)[0]
+
+    def logits_served_fn(p, head, h):
+        return compute_logits(p, h) if head is None else amx_matmul(h, head)
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = 1 + n * blocks_per_seq  # per layer; the pool holds every layer's, as the engine's cache
     kv_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -116,9 +134,11 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     parts = {
         "layers_scan": _median_ms(layers_scan, params, ids, positions, iters=iters),
         "layers_unroll": _median_ms(layers_unroll, per_layer, ids, positions, iters=iters),
+        "layers_served": _median_ms(jax.jit(layers_served_fn), served, ids, positions, iters=iters),
         **{f"attention_{name}": _median_ms(all_layers(fn), q, k, v, tables, lens, qsl, iters=iters)
            for name, fn in attention.items()},
         "logits": _median_ms(jax.jit(compute_logits), params, hidden, iters=iters),
+        "logits_served": _median_ms(jax.jit(logits_served_fn), params, packed_head, hidden, iters=iters),
         "logprobs_top_k": _median_ms(jax.jit(lambda x: jax.lax.top_k(jax.nn.log_softmax(x, -1), top_k)), logits,
                                      iters=iters),
         "sample_greedy": _median_ms(jax.jit(lambda x, kk: greedy(x, keys=kk)), logits, keys, iters=iters),
@@ -132,8 +152,8 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
     before = sum(parts[k_] for k_ in ("layers_scan", "attention_kernel", "logits", "logprobs_top_k", "sample_greedy"))
-    after = sum(parts[k_] for k_ in ("layers_unroll", "attention_native", "logits", "sample_greedy"))
-    return {"num_seqs": n, "context_len": context_len, "dtype": dtype, "parts_ms": parts,
+    after = sum(parts[k_] for k_ in ("layers_served", "attention_native", "logits_served", "sample_greedy"))
+    return {"num_seqs": n, "context_len": context_len, "dtype": dtype, "weight_layout": layout, "parts_ms": parts,
             "step_ms_before": round(before, 2), "tokens_per_s_before": round(n / before * 1e3, 1),
             "step_ms_after": round(after, 2), "tokens_per_s_after": round(n / after * 1e3, 1),
             "matmul_gflops": round(gflops, 1),

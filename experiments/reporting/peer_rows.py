@@ -1,5 +1,6 @@
 """README rows of the peer comparisons: transformers (peer_hf), vLLM's CPU backend
-(peer_vllm), and where our own time on the vLLM trace goes (trace_step_breakdown).
+(peer_vllm), where our own time on the vLLM trace goes (trace_step_breakdown), and the
+CPU matmul layouts behind it (weight_layout).
 
 Split from results_rows.py (which imports these into its BUILDERS after defining the
 shared helpers, `rr.*` here, read at call time).
@@ -65,3 +66,17 @@ def trace_step_breakdown(record: dict) -> list:
               + rr._join(r["max_num_batched_tokens"] for r in runs) + "; the best's wall = decode + mixed steps"),
              rr._join((r["output_tokens_per_s"] for r in runs), "{:.1f}")
              + f"; {best['wall_s']:.1f} s = {best['decode_s']:.1f} + {best['mixed_s']:.1f} s" + rr._cpu_note(record))]
+
+
+def weight_layout(record: dict) -> list:
+    """GFLOP/s of SmolLM2's projection shapes per weight layout, by dtype and rows."""
+    rows = record["figures"]["rows"]
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        layouts = [v for v in ("in_out", "out_in", "amx_tiles") if f"{v}_gflops" in mine[0]]
+        value = "; ".join(f"{r['shape']} x {r['rows']} rows: " + rr._join((r[f"{v}_gflops"] for v in layouts), "{:.0f}")
+                          for r in mine)
+        out.append((f"matmul GFLOP/s on this CPU, {dtype} weights, 30 distinct weights per shape (from memory), "
+                    f"by weight layout: " + " / ".join(layouts), value + rr._cpu_note(record)))
+    return out

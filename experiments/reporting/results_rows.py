@@ -388,14 +388,14 @@ def generic(record: dict) -> list:
 
 
 # the peer comparisons' builders live in peer_rows.py (imported here, after the helpers they use)
-from experiments.reporting.peer_rows import peer_hf, peer_vllm, trace_step_breakdown  # noqa: E402
+from experiments.reporting.peer_rows import peer_hf, peer_vllm, trace_step_breakdown, weight_layout  # noqa: E402
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
     "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": bench_kernel,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
-    "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown,
+    "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
