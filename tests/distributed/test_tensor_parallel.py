@@ -100,7 +100,9 @@ def _footprint(llm) -> dict:
     return {"params": per_device_bytes(runner.params), "kv": per_device_bytes(runner.kv_cache),
             "specs": {k: _spec(v) for k, v in jax.tree_util.tree_leaves_with_path(
                 runner.params) for k in [k[-1].key]},
-            "compilations_after_generate": runner.num_compilations}
+            "compilations_after_generate": runner.num_compilations,
+            # what warm-up compiles: a step per bucket, and the greedy and sampled heads per row bucket
+            "warm_up_programs": len(runner.batch_shapes()) + 2 * len(runner.config.seq_buckets)}
 
 
 def _config(preset):
@@ -367,7 +369,8 @@ def test_tiny_shardings_and_memory_per_device():
     for tp in (2, 4):
         assert fp[str(tp)]["kv"] * tp == fp["1"]["kv"]
         assert fp[str(tp)]["params"] == (fp["1"]["params"] - replicated) // tp + replicated
-        assert fp[str(tp)]["compilations_after_generate"] == 2  # the two buckets, nothing after warm-up
+        assert fp[str(tp)]["warm_up_programs"] == 4  # two buckets of one row count: 2 steps + 2 heads
+        assert fp[str(tp)]["compilations_after_generate"] == fp[str(tp)]["warm_up_programs"]  # none after warm-up
 
 
 @pytest.mark.slow  # a 4-device child process compiling TP 1 / 2 / 4 engines (minutes on a cold cache)
