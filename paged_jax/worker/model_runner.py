@@ -192,7 +192,8 @@ class ModelRunner:
         step's logits of this row bucket, donated (the head has read them by then). Why:
         the logits are the step's one big output, and a fresh 12.6 MiB output per 64-row
         SmolLM2 step came back from the allocator as new pages, ~2,700 page faults a step
-        (`trace_step_breakdown` counts them); a donated buffer is reused in place."""
+        (a one-off run of `trace_step_breakdown`, which counts them per step kind); a donated
+        buffer is reused in place."""
         rows = batch.block_tables.shape[0]
         buffer = self._logits_buffers.pop(rows, None)
         if buffer is None:
