@@ -29,10 +29,21 @@ inline void prefetch_rows(const T* base, int32_t rows, int64_t row_stride, int64
   const char* p = reinterpret_cast<const char*>(base);
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T)), stride = row_stride * static_cast<int64_t>(sizeof(T));
   for (int32_t j = 0; j < rows; ++j)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o);
+    for (int64_t o = 0; o < bytes; o += 64) {
+#if defined(__x86_64__)  // GCC's vectorizer drops __builtin_prefetch from loops it vectorizes
+      asm volatile("prefetcht0 %0" : : "m"(p[j * stride + o]));
+#else
+      __builtin_prefetch(p + j * stride + o);
+#endif
+    }
 }
 
 inline float to_float(float x) { return x; }
+inline uint16_t to_bf16(float x) {  // round to nearest even (inputs here are finite or exact bf16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 inline float to_float(uint16_t bits) {  // bfloat16 -> float: the top half of an f32
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -102,6 +113,23 @@ inline void score16(const float* q, const T* keys, int64_t stride, int64_t D, fl
 #endif
 
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+// out[0..16) = scale * (q . key_j) for 16 consecutive bf16 keys, with q in bf16 (qb):
+// vdpbf16ps multiplies bf16 pairs exactly and sums them in f32, so no key is converted
+// (the f32 path spends two thirds of its instructions converting). D % 32 == 0.
+inline void score16_bf16(const uint16_t* qb, const uint16_t* keys, int64_t stride, int64_t D, float scale,
+                         float* out) {
+  __m512 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 2 * kLanes) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(qb + c);
+    for (int j = 0; j < kLanes; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qc, (__m512bh)_mm512_loadu_si512(keys + j * stride + c));
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 // s[rows[i]][jc + 0..16) = q[rows[i]] . keys jc..jc+16, for N <= 8 rows at once (N
 // independent FMA chains per transposed key row kt[d][...], loaded once for all of them).
 template <int N>
@@ -152,33 +180,31 @@ inline float softmax_weights16(float* row, int32_t j0, int32_t j1, int32_t a, in
   return m_new;
 }
 
-// out1 += sum_j w1[j] v_j and out2 += sum_j w2[j] v_j over keys [a, e) (v_j at vrows + j *
-// stride, f32 or bf16 read straight from the cache), 64 dims at a time; out2 null: one
-// row. D % 64 == 0.
-template <typename T>
-inline void pv2(float* out1, float* out2, const float* w1, const float* w2, const T* vrows, int64_t stride,
-                int64_t D, int32_t a, int32_t e) {
+// out[i] += sum_j w[i][j] v_j for N rows at once over keys [a, e) (v_j at vrows + j *
+// stride, f32 or bf16 read straight from the cache), 64 dims at a time: each V row is
+// loaded (and converted) once for all N rows, whose accumulators stay in registers
+// (4N + 4 of the 32). D % 64 == 0.
+template <int N, typename T>
+inline void pv_rows(float* const* out, const float* const* w, const T* vrows, int64_t stride, int64_t D, int32_t a,
+                    int32_t e) {
   for (int64_t c = 0; c < D; c += 4 * kLanes) {
-    __m512 x[4], y[4];
-    for (int k = 0; k < 4; ++k) {
-      x[k] = _mm512_loadu_ps(out1 + c + k * kLanes);
-      y[k] = out2 ? _mm512_loadu_ps(out2 + c + k * kLanes) : _mm512_setzero_ps();
-    }
+    __m512 x[N][4];
+    for (int i = 0; i < N; ++i)
+      for (int k = 0; k < 4; ++k) x[i][k] = _mm512_loadu_ps(out[i] + c + k * kLanes);
     for (int32_t j = a; j < e; ++j) {
       const T* vj = vrows + j * stride + c;
-      const __m512 p1 = _mm512_set1_ps(w1[j]), p2 = _mm512_set1_ps(out2 ? w2[j] : 0.0f);
-      for (int k = 0; k < 4; ++k) {
-        const __m512 vk = load16(vj + k * kLanes);
-        x[k] = _mm512_fmadd_ps(p1, vk, x[k]);
-        y[k] = _mm512_fmadd_ps(p2, vk, y[k]);
+      __m512 vk[4];
+      for (int k = 0; k < 4; ++k) vk[k] = load16(vj + k * kLanes);
+      for (int i = 0; i < N; ++i) {
+        const __m512 p = _mm512_set1_ps(w[i][j]);
+        for (int k = 0; k < 4; ++k) x[i][k] = _mm512_fmadd_ps(p, vk[k], x[i][k]);
       }
     }
-    for (int k = 0; k < 4; ++k) {
-      _mm512_storeu_ps(out1 + c + k * kLanes, x[k]);
-      if (out2) _mm512_storeu_ps(out2 + c + k * kLanes, y[k]);
-    }
+    for (int i = 0; i < N; ++i)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out[i] + c + k * kLanes, x[i][k]);
   }
 }
+constexpr int kPvRows = 4;  // rows per pv_rows call
 
 using ScoreFn = void (*)(const float (*)[kMaxHeadDim], const float*, int64_t, int64_t, const int*,
                          float (*)[kMaxBlockSize + kLanes], int32_t);

@@ -61,8 +61,9 @@ struct Item {
 
 // Per-thread scratch (on the heap: a pool thread's stack may be small).
 struct Scratch {
-  float q[kMaxRows][kMaxHeadDim], acc[kMaxRows][kMaxHeadDim];
-  float s[kMaxRows][kMaxBlockSize + kLanes];  // a block's scores, then its softmax weights
+  float q[kMaxRows][kMaxHeadDim], acc[kMaxRows][kMaxHeadDim];  // q: times sm_scale
+  uint16_t qb[kMaxRows][kMaxHeadDim];  // decode rows of a bf16 cache: q in bf16, unscaled
+  float s[kMaxRows][kMaxBlockSize + kLanes];  // a chunk's scores, then its softmax weights
   float kt[kMaxHeadDim * (kMaxBlockSize + kLanes)];  // one head's keys of a block, transposed [D][keys]
   float vb[kMaxBlockSize][kMaxHeadDim];  // one head's values of a block as f32 (bf16 caches)
   float m[kMaxRows], l[kMaxRows], row[kMaxHeadDim];
@@ -91,6 +92,13 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
   float *m = w.m, *l = w.l, *kt = w.kt;
   int32_t *lo = w.lo, *hi = w.hi;
   auto row_of = [&](int tok, int hh, int g) { return (tok * nh + hh) * group + g; };
+  // decode rows of a bf16 cache score with bf16 dot products (q rounded to bf16, which the
+  // Python wrapper has already done for bf16 caches: exact)
+#if defined(__AVX512BF16__)
+  const bool use_bf16_dot = std::is_same_v<T, uint16_t> && item.num_tokens == 1 && D % (2 * kLanes) == 0;
+#else
+  const bool use_bf16_dot = false;
+#endif
   auto query_row = [&](int tok, int hh, int g) {  // this row's slice of q / out
     return ((q_begin + item.first_token + tok) * p.num_heads + (item.first_kv_head + hh) * group + g) * D;
   };
@@ -103,6 +111,8 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         lo[r] = p.window > 0 ? std::max(0, position - p.window + 1) : 0;
         const float* src = p.q + query_row(tok, hh, g);
         for (int64_t d = 0; d < D; ++d) q[r][d] = src[d] * p.scale;
+        if (use_bf16_dot)
+          for (int64_t d = 0; d < D; ++d) w.qb[r][d] = to_bf16(src[d]);
         std::fill(acc[r], acc[r] + D, 0.0f);
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -110,88 +120,113 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
     }
   }
   const int32_t key_begin = *std::min_element(lo, lo + rows), key_end = *std::max_element(hi, hi + rows);
-  for (int32_t b = key_begin / bs; b * bs < key_end; ++b) {
-    const int32_t block = table[b];
-    if (block < 0 || block >= p.num_blocks) return false;
-    const int32_t j0 = std::max<int32_t>(key_begin - b * bs, 0);
-    const int32_t j1 = std::min<int32_t>(key_end - b * bs, bs);
-    const int64_t base = (static_cast<int64_t>(block) * bs) * row_stride + item.first_kv_head * D;
-    if ((b + 1) * bs < key_end) {  // the next block's rows of these heads, while this one computes
-      const int32_t next = table[b + 1];
-      if (next >= 0 && next < p.num_blocks) {
-        const int64_t next_base = (static_cast<int64_t>(next) * bs) * row_stride + item.first_kv_head * D;
-        const int32_t next_rows = std::min<int32_t>(bs, key_end - (b + 1) * bs);
-        prefetch_rows(k + next_base, next_rows, row_stride, nh * D);
-        prefetch_rows(v + next_base, next_rows, row_stride, nh * D);
-      }
-    }
-    for (int hh = 0; hh < nh; ++hh) {  // scores of this block's keys [j0, j1)
-      const T* keys = k + base + hh * D;
-      if (item.num_tokens == 1) {
-        float* krow = w.row;
-        int32_t j = j0;
+  // Blocks go in chunks of up to kMaxBlockSize keys: every block's scores first (s[r][key -
+  // chunk start]), then one online-softmax update per row for the whole chunk, then P.V
+  // block by block. A chunk's K is prefetched block by block ahead of its scores, its V
+  // while it is scored, and the next chunk's K during its P.V: a sequence's blocks are
+  // scattered, so no hardware prefetcher can guess them.
+  const int32_t chunk_blocks = std::max(1, kMaxBlockSize / bs), end_block = (key_end + bs - 1) / bs;
+  auto block_base = [&](int32_t b) -> int64_t {  // where block b's rows of these heads start; -1: bad entry
+    const int32_t block = b < end_block ? table[b] : -1;
+    if (block < 0 || block >= p.num_blocks) return -1;
+    return (static_cast<int64_t>(block) * bs) * row_stride + item.first_kv_head * D;
+  };
+  auto prefetch = [&](const T* cache, int32_t b) {
+    if (b >= end_block) return;
+    const int64_t base = block_base(b);
+    if (base >= 0) prefetch_rows(cache + base, std::min<int32_t>(bs, key_end - b * bs), row_stride, nh * D);
+  };
+  for (int32_t cb = key_begin / bs; cb < end_block; cb += chunk_blocks) {
+    const int32_t ce = std::min(cb + chunk_blocks, end_block), origin = cb * bs;
+    const int32_t c0 = std::max(key_begin, origin) - origin, c1 = std::min(key_end, ce * bs) - origin;
+    for (int32_t b = cb; b < ce; ++b) {  // scores of block b's keys [j0, j1) at s[r][off + j]
+      const int64_t base = block_base(b);
+      if (base < 0) return false;
+      prefetch(k, b + 1);
+      prefetch(v, b);
+      const int32_t off = (b - cb) * bs, j0 = std::max(c0 - off, 0), j1 = std::min(c1 - off, bs);
+      for (int hh = 0; hh < nh; ++hh) {
+        const T* keys = k + base + hh * D;
+        if (item.num_tokens == 1) {
+          float* krow = w.row;
+          int32_t j = j0;
 #if defined(__AVX512F__)
-        if (D % kLanes == 0) {  // 16 keys at a time, one horizontal reduction for all of them
-          for (; j + kLanes <= j1; j += kLanes)
-            for (int g = 0; g < group; ++g) score16(q[row_of(0, hh, g)], keys + j * row_stride, row_stride, D,
-                                                    &s[row_of(0, hh, g)][j]);
-        }
+          // 16 keys at a time, one horizontal reduction for all of them; a last group that
+          // fits in the block is scored whole (its slots past the context are this block's
+          // own rows: read, then masked by the softmax and never used)
+          if (D % kLanes == 0) {
+            for (; j < j1 && j + kLanes <= bs; j += kLanes) {
+              for (int g = 0; g < group; ++g) {
+                const int r = row_of(0, hh, g);
+#if defined(__AVX512BF16__)
+                if constexpr (std::is_same_v<T, uint16_t>) {
+                  if (use_bf16_dot) {
+                    score16_bf16(w.qb[r], keys + j * row_stride, row_stride, D, p.scale, &s[r][off + j]);
+                    continue;
+                  }
+                }
 #endif
-        for (; j < j1; ++j) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) krow[d] = to_float(keys[j * row_stride + d]);
-          for (int g = 0; g < group; ++g) {
-            const int r = row_of(0, hh, g);
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += q[r][d] * krow[d];
-            s[r][j] = dot;
-          }
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) std::fill(kt + d * lanes_bs, kt + (d + 1) * lanes_bs, 0.0f);
-        for (int32_t j = j0; j < j1; ++j)
-          for (int64_t d = 0; d < D; ++d) kt[d * lanes_bs + j] = to_float(keys[j * row_stride + d]);
-        int head_rows[kMaxRows], n = 0;  // this KV head's query rows
-        for (int tok = 0; tok < item.num_tokens; ++tok)
-          for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
-        for (int32_t jc = j0 / kLanes * kLanes; jc < j1; jc += kLanes) {
-          int i = 0;
-#if defined(__AVX512F__)
-          for (; i < n; i += 8)
-            kScoreTransposed[std::min(8, n - i)](q, kt + jc, lanes_bs, D, head_rows + i, s, jc);
-#endif
-          for (; i < n; ++i) {
-            const int r = head_rows[i];
-            float lane[kLanes] = {};
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = q[r][d];
-              const float* kd = kt + d * lanes_bs + jc;
-#pragma omp simd
-              for (int l = 0; l < kLanes; ++l) lane[l] += qd * kd[l];
+                score16(q[r], keys + j * row_stride, row_stride, D, &s[r][off + j]);
+              }
             }
-            for (int l = 0; l < kLanes; ++l) s[r][jc + l] = lane[l];
+          }
+#endif
+          for (; j < j1; ++j) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) krow[d] = to_float(keys[j * row_stride + d]);
+            for (int g = 0; g < group; ++g) {
+              const int r = row_of(0, hh, g);
+              float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < D; ++d) dot += q[r][d] * krow[d];
+              s[r][off + j] = dot;
+            }
+          }
+        } else {  // later blocks overwrite what a block writes past its keys (bs % 16 != 0)
+          for (int64_t d = 0; d < D; ++d) std::fill(kt + d * lanes_bs, kt + (d + 1) * lanes_bs, 0.0f);
+          for (int32_t j = j0; j < j1; ++j)
+            for (int64_t d = 0; d < D; ++d) kt[d * lanes_bs + j] = to_float(keys[j * row_stride + d]);
+          int head_rows[kMaxRows], n = 0;  // this KV head's query rows
+          for (int tok = 0; tok < item.num_tokens; ++tok)
+            for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
+          for (int32_t jc = j0 / kLanes * kLanes; jc < j1; jc += kLanes) {
+            int i = 0;
+#if defined(__AVX512F__)
+            for (; i < n; i += 8)
+              kScoreTransposed[std::min(8, n - i)](q, kt + jc, lanes_bs, D, head_rows + i, s, off + jc);
+#endif
+            for (; i < n; ++i) {
+              const int r = head_rows[i];
+              float lane[kLanes] = {};
+              for (int64_t d = 0; d < D; ++d) {
+                const float qd = q[r][d];
+                const float* kd = kt + d * lanes_bs + jc;
+#pragma omp simd
+                for (int l = 0; l < kLanes; ++l) lane[l] += qd * kd[l];
+              }
+              for (int l = 0; l < kLanes; ++l) s[r][off + jc + l] = lane[l];
+            }
           }
         }
       }
     }
-    for (int r = 0; r < rows; ++r) {  // online softmax over this block, row by row
-      const int32_t a = std::max(j0, lo[r] - b * bs), e = std::min(j1, hi[r] - b * bs);
+    for (int r = 0; r < rows; ++r) {  // online softmax over this chunk, row by row
+      const int32_t a = std::max(c0, lo[r] - origin), e = std::min(c1, hi[r] - origin);
       if (a >= e) {
-        for (int32_t j = j0; j < j1; ++j) s[r][j] = 0.0f;
+        for (int32_t j = c0; j < c1; ++j) s[r][j] = 0.0f;
         continue;
       }
       if (p.soft_cap > 0)
         for (int32_t j = a; j < e; ++j) s[r][j] = p.soft_cap * std::tanh(s[r][j] / p.soft_cap);
       float m_new, sum = 0.0f;
 #if defined(__AVX512F__)
-      m_new = softmax_weights16(s[r], j0, j1, a, e, m[r], &sum);
+      m_new = softmax_weights16(s[r], c0, c1, a, e, m[r], &sum);
 #else
-      float block_max = -INFINITY;
-      for (int32_t j = a; j < e; ++j) block_max = std::max(block_max, s[r][j]);
-      m_new = std::max(m[r], block_max);
+      float chunk_max = -INFINITY;
+      for (int32_t j = a; j < e; ++j) chunk_max = std::max(chunk_max, s[r][j]);
+      m_new = std::max(m[r], chunk_max);
 #pragma omp simd reduction(+ : sum)
-      for (int32_t j = j0; j < j1; ++j) {
+      for (int32_t j = c0; j < c1; ++j) {
         const float e_j = (j >= a && j < e) ? exp_nonpositive(s[r][j] - m_new) : 0.0f;
         s[r][j] = e_j;
         sum += e_j;
@@ -205,51 +240,62 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         for (int64_t d = 0; d < D; ++d) acc[r][d] *= correction;
       }
     }
-    for (int hh = 0; hh < nh; ++hh) {  // acc += p v: each row's accumulator stays in registers over the keys
-      const T* values = v + base + hh * D;
-      int head_rows[kMaxRows], n = 0;  // this KV head's query rows
-      for (int tok = 0; tok < item.num_tokens; ++tok)
-        for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
-      auto range = [&](int r) {  // the row's weights outside it are 0 (the softmax wrote them)
-        return std::pair<int32_t, int32_t>(std::max(j0, lo[r] - b * bs), std::min(j1, hi[r] - b * bs));
-      };
-      int i = 0;
+    for (int32_t b = cb; b < ce; ++b) {  // acc += p v, block by block
+      const int64_t base = block_base(b);
+      prefetch(k, b + chunk_blocks);
+      const int32_t off = (b - cb) * bs, j0 = std::max(c0 - off, 0), j1 = std::min(c1 - off, bs);
+      for (int hh = 0; hh < nh; ++hh) {
+        const T* values = v + base + hh * D;
+        int head_rows[kMaxRows], n = 0;  // this KV head's query rows
+        for (int tok = 0; tok < item.num_tokens; ++tok)
+          for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);
+        auto range = [&](int r) {  // the row's weights outside it are 0 (the softmax wrote them)
+          return std::pair<int32_t, int32_t>(std::max(j0, lo[r] - origin - off), std::min(j1, hi[r] - origin - off));
+        };
+        int i = 0;
 #if defined(__AVX512F__)
-      if (D % (4 * kLanes) == 0) {  // two rows at a time: 8 accumulators in registers, each V row loaded once
-        for (; i + 1 < n; i += 2) {
-          const auto [a1, e1] = range(head_rows[i]);
-          const auto [a2, e2] = range(head_rows[i + 1]);
-          pv2(acc[head_rows[i]], acc[head_rows[i + 1]], s[head_rows[i]], s[head_rows[i + 1]], values, row_stride, D,
-              std::min(a1, a2), std::max(e1, e2));
+        if (D % (4 * kLanes) == 0) {  // up to kPvRows rows at a time over their keys' union
+          for (int m_rows; i < n; i += m_rows) {
+            m_rows = std::min(kPvRows, n - i);
+            float* outs[kPvRows];
+            const float* weights[kPvRows];
+            int32_t a = bs, e = 0;
+            for (int t = 0; t < m_rows; ++t) {
+              const auto [ar, er] = range(head_rows[i + t]);
+              a = std::min(a, ar), e = std::max(e, er);
+              outs[t] = acc[head_rows[i + t]], weights[t] = s[head_rows[i + t]] + off;
+            }
+            switch (m_rows) {
+              case 1: pv_rows<1>(outs, weights, values, row_stride, D, a, e); break;
+              case 2: pv_rows<2>(outs, weights, values, row_stride, D, a, e); break;
+              case 3: pv_rows<3>(outs, weights, values, row_stride, D, a, e); break;
+              default: pv_rows<4>(outs, weights, values, row_stride, D, a, e); break;
+            }
+          }
         }
-        if (i < n) {
-          const auto [a1, e1] = range(head_rows[i]);
-          pv2(acc[head_rows[i]], static_cast<float*>(nullptr), s[head_rows[i]], static_cast<const float*>(nullptr),
-              values, row_stride, D, a1, e1);
-          ++i;
-        }
-      }
 #endif
-      if (i == n) continue;
-      const float* vrows;  // the portable loop reads f32 rows: bf16 values are converted once
-      int64_t vstride;
-      if constexpr (std::is_same_v<T, float>) {
-        vrows = values, vstride = row_stride;
-      } else {
-        for (int32_t j = j0; j < j1; ++j)
+        if (i == n) continue;
+        const float* vrows;  // the portable loop reads f32 rows: bf16 values are converted once
+        int64_t vstride;
+        if constexpr (std::is_same_v<T, float>) {
+          vrows = values, vstride = row_stride;
+        } else {
+          for (int32_t j = j0; j < j1; ++j)
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
-        vrows = &w.vb[0][0], vstride = kMaxHeadDim;
-      }
-      for (; i < n; ++i) {
-        const int r = head_rows[i];
-        const auto [a, e] = range(r);
-        float* out = acc[r];
-        for (int32_t j = a; j < e; ++j) {
-          const float weight = s[r][j];
-          const float* vj = vrows + j * vstride;
+            for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
+          vrows = &w.vb[0][0], vstride = kMaxHeadDim;
+        }
+        for (; i < n; ++i) {
+          const int r = head_rows[i];
+          const auto [a, e] = range(r);
+          float* out = acc[r];
+          const float* weight_row = s[r] + off;
+          for (int32_t j = a; j < e; ++j) {
+            const float weight = weight_row[j];
+            const float* vj = vrows + j * vstride;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) out[d] += weight * vj[d];
+            for (int64_t d = 0; d < D; ++d) out[d] += weight * vj[d];
+          }
         }
       }
     }
