@@ -66,6 +66,12 @@ struct Work {
   std::atomic<int> active{0};
 };
 
+// How many B tiles ahead the first row pass prefetches its weights: a tile load waits for
+// the dot product that reads the tile before it (tiles are not renamed), so without this
+// each 1 KB weight tile arrives at memory latency (measured, 64 rows, 60 SmolLM2-shaped
+// matrices from DRAM: 10-15% faster with 2-4 tiles ahead, no change at 1024 rows).
+constexpr int64_t kPrefetchTiles = 4;
+
 // Output columns [32 item, 32 item + 32) for every row, 32 rows at a time: C tiles 0..3 =
 // (rows 0-15, 16-31) x (columns 0-15, 16-31); A tiles 4, 5; B tiles 6, 7.
 void column_pair(const Work& p, int64_t item) {
@@ -83,6 +89,14 @@ void column_pair(const Work& p, int64_t item) {
     const uint16_t* a0 = p.x + m * p.K;
     const uint16_t* a1 = a0 + 16 * p.K;
     for (int64_t kb = 0; kb < kb_count; ++kb) {
+      if (m == 0 && kb + kPrefetchTiles < kb_count) {  // the weights' first pass streams them from memory
+        const char* n0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
+        const char* n1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
+        for (int o = 0; o < 1024; o += 64) {
+          asm volatile("prefetcht0 %0" : : "m"(n0[o]));
+          if (two_n) asm volatile("prefetcht0 %0" : : "m"(n1[o]));
+        }
+      }
       _tile_loadd(4, a0 + kb * 32, x_stride);
       _tile_loadd(6, b0 + kb * 512, 64);
       _tile_dpbf16ps(0, 4, 6);
