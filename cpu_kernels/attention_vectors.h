@@ -28,14 +28,22 @@ template <typename T>
 inline void prefetch_rows(const T* base, int32_t rows, int64_t row_stride, int64_t row_elems) {
   const char* p = reinterpret_cast<const char*>(base);
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T)), stride = row_stride * static_cast<int64_t>(sizeof(T));
-  for (int32_t j = 0; j < rows; ++j)
-    for (int64_t o = 0; o < bytes; o += 64) {
+  auto line = [](const char* a) {
 #if defined(__x86_64__)  // GCC's vectorizer drops __builtin_prefetch from loops it vectorizes
-      asm volatile("prefetcht0 %0" : : "m"(p[j * stride + o]));
+    asm volatile("prefetcht0 %0" : : "m"(*a));
 #else
-      __builtin_prefetch(p + j * stride + o);
+    __builtin_prefetch(a);
 #endif
-    }
+  };
+  if (stride == bytes) {  // the rows are contiguous (an item with every KV head): one run, 4 lines a turn
+    const int64_t total = rows * bytes;
+    int64_t o = 0;
+    for (; o + 256 <= total; o += 256) line(p + o), line(p + o + 64), line(p + o + 128), line(p + o + 192);
+    for (; o < total; o += 64) line(p + o);
+    return;
+  }
+  for (int32_t j = 0; j < rows; ++j)
+    for (int64_t o = 0; o < bytes; o += 64) line(p + j * stride + o);
 }
 
 inline float to_float(float x) { return x; }
