@@ -131,8 +131,9 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
     if (block < 0 || block >= p.num_blocks) return -1;
     return (static_cast<int64_t>(block) * bs) * row_stride + item.first_kv_head * D;
   };
+  // (decode items only: a prefill tile's blocks were read by the sequence's tile before it)
   auto prefetch = [&](const T* cache, int32_t b) {
-    if (b >= end_block) return;
+    if (b >= end_block || item.num_tokens > 1) return;
     const int64_t base = block_base(b);
     if (base >= 0) prefetch_rows(cache + base, std::min<int32_t>(bs, key_end - b * bs), row_stride, nh * D);
   };
@@ -252,39 +253,49 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         auto range = [&](int r) {  // the row's weights outside it are 0 (the softmax wrote them)
           return std::pair<int32_t, int32_t>(std::max(j0, lo[r] - origin - off), std::min(j1, hi[r] - origin - off));
         };
+        // V rows straight from the cache, or (bf16 rows read by several pv_rows calls, or by
+        // the portable loop) converted to f32 once for all the head's rows
+        const float* vf = nullptr;
+        if constexpr (!std::is_same_v<T, float>) {
+          if (n > kPvRows || D % (4 * kLanes) != 0) {
+            for (int32_t j = j0; j < j1; ++j)
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
+            vf = &w.vb[0][0];
+          }
+        } else {
+          vf = values;
+        }
+        const int64_t vf_stride = std::is_same_v<T, float> ? row_stride : kMaxHeadDim;
         int i = 0;
 #if defined(__AVX512F__)
         if (D % (4 * kLanes) == 0) {  // up to kPvRows rows at a time over their keys' union
-          for (int m_rows; i < n; i += m_rows) {
-            m_rows = std::min(kPvRows, n - i);
-            float* outs[kPvRows];
-            const float* weights[kPvRows];
-            int32_t a = bs, e = 0;
-            for (int t = 0; t < m_rows; ++t) {
-              const auto [ar, er] = range(head_rows[i + t]);
-              a = std::min(a, ar), e = std::max(e, er);
-              outs[t] = acc[head_rows[i + t]], weights[t] = s[head_rows[i + t]] + off;
+          auto rows_at_once = [&](auto vrows, int64_t stride) {
+            for (int m_rows; i < n; i += m_rows) {
+              m_rows = std::min(kPvRows, n - i);
+              float* outs[kPvRows];
+              const float* weights[kPvRows];
+              int32_t a = bs, e = 0;
+              for (int t = 0; t < m_rows; ++t) {
+                const auto [ar, er] = range(head_rows[i + t]);
+                a = std::min(a, ar), e = std::max(e, er);
+                outs[t] = acc[head_rows[i + t]], weights[t] = s[head_rows[i + t]] + off;
+              }
+              switch (m_rows) {
+                case 1: pv_rows<1>(outs, weights, vrows, stride, D, a, e); break;
+                case 2: pv_rows<2>(outs, weights, vrows, stride, D, a, e); break;
+                case 3: pv_rows<3>(outs, weights, vrows, stride, D, a, e); break;
+                default: pv_rows<4>(outs, weights, vrows, stride, D, a, e); break;
+              }
             }
-            switch (m_rows) {
-              case 1: pv_rows<1>(outs, weights, values, row_stride, D, a, e); break;
-              case 2: pv_rows<2>(outs, weights, values, row_stride, D, a, e); break;
-              case 3: pv_rows<3>(outs, weights, values, row_stride, D, a, e); break;
-              default: pv_rows<4>(outs, weights, values, row_stride, D, a, e); break;
-            }
-          }
+          };
+          if (vf) rows_at_once(vf, vf_stride);
+          else rows_at_once(values, row_stride);
         }
 #endif
         if (i == n) continue;
-        const float* vrows;  // the portable loop reads f32 rows: bf16 values are converted once
-        int64_t vstride;
-        if constexpr (std::is_same_v<T, float>) {
-          vrows = values, vstride = row_stride;
-        } else {
-          for (int32_t j = j0; j < j1; ++j)
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);
-          vrows = &w.vb[0][0], vstride = kMaxHeadDim;
-        }
+        const float* vrows = vf;  // the portable loop reads f32 rows
+        const int64_t vstride = vf_stride;
         for (; i < n; ++i) {
           const int r = head_rows[i];
           const auto [a, e] = range(r);
