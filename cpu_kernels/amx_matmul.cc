@@ -12,11 +12,12 @@
 //   w    bf16[N / 16, K / 32, 16, 32]: B tiles, w[nb, kb, r, 2c + p] = W[32 kb + 2 r + p, 16 nb + c]
 //        for W [K, N] (the pairs of K rows interleaved, as TDPBF16PS takes them)
 //   out  f32[M, N] = x @ W, accumulated in f32.
-// Work items are pairs of 16-column blocks (32 output columns), taken by XLA's intra-op
+// Work items are (a panel of up to 128 rows, a pair of 16-column blocks), taken by XLA's intra-op
 // threads and the caller; each thread configures its tiles (8 tiles: 4 of C, 2 of A, 2 of B)
 // and releases them when done. Built only where the compiler targets AMX (-march=native on
 // such a CPU); elsewhere the handler returns an error and the Python side never calls it.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -72,16 +73,23 @@ struct Work {
 // matrices from DRAM: 10-15% faster with 2-4 tiles ahead, no change at 1024 rows).
 constexpr int64_t kPrefetchTiles = 4;
 
-// Output columns [32 item, 32 item + 32) for every row, 32 rows at a time: C tiles 0..3 =
+// Output columns [32 item, 32 item + 32) for rows [m_begin, m_end), 32 rows at a time: C tiles 0..3 =
 // (rows 0-15, 16-31) x (columns 0-15, 16-31); A tiles 4, 5; B tiles 6, 7.
-void column_pair(const Work& p, int64_t item) {
+// Rows per work item: an item is (a panel of kPanelRows rows, a column pair), panel-major,
+// so the threads sweep every column pair against one panel of x while it sits in their
+// L2, instead of every item streaming all of x (3 MB for a 1024-row down projection) from
+// L3 (in-process A/B, 1024 rows, 60 SmolLM2-shaped matmuls: 7 of 8 rounds faster, median
+// 149 -> 133 ms; 64 and 256 rows per panel measured about the same as 128).
+constexpr int64_t kPanelRows = 128;
+
+void column_pair(const Work& p, int64_t item, int64_t m_begin, int64_t m_end) {
   const int64_t kb_count = p.K / 32, nb0 = 2 * item;
   const bool two_n = (nb0 + 1) * 16 < p.N;
   const uint16_t* b0 = p.w + nb0 * kb_count * 512;
   const uint16_t* b1 = b0 + kb_count * 512;
   const int64_t x_stride = p.K * 2, out_stride = p.N * 4;
-  for (int64_t m = 0; m < p.M; m += 32) {
-    const bool two_m = m + 16 < p.M;
+  for (int64_t m = m_begin; m < m_end; m += 32) {
+    const bool two_m = m + 16 < m_end;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -89,7 +97,7 @@ void column_pair(const Work& p, int64_t item) {
     const uint16_t* a0 = p.x + m * p.K;
     const uint16_t* a1 = a0 + 16 * p.K;
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      if (m == 0 && kb + kPrefetchTiles < kb_count) {  // the weights' first pass streams them from memory
+      if (m == m_begin && kb + kPrefetchTiles < kb_count) {  // the weights' first pass streams them from memory
         const char* n0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
         const char* n1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
         for (int o = 0; o < 1024; o += 64) {
@@ -122,11 +130,15 @@ void column_pair(const Work& p, int64_t item) {
 
 void drain(Work& work) {
   work.active.fetch_add(1);
-  const int64_t items = (work.N / 16 + 1) / 2;
+  const int64_t pairs = (work.N / 16 + 1) / 2, panels = (work.M + kPanelRows - 1) / kPanelRows;
+  const int64_t items = pairs * panels;
   int64_t i = work.next.fetch_add(1);
   if (i < items) {
     configure_tiles();
-    for (; i < items; i = work.next.fetch_add(1)) column_pair(work, i);
+    for (; i < items; i = work.next.fetch_add(1)) {
+      const int64_t panel = i / pairs, m0 = panel * kPanelRows;
+      column_pair(work, i % pairs, m0, std::min<int64_t>(work.M, m0 + kPanelRows));
+    }
     _tile_release();
   }
   work.active.fetch_sub(1);
@@ -144,7 +156,7 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
   work->out = out->typed_data();
   work->M = xd[0], work->K = xd[1], work->N = wd[0] * 16;
   if (work->M == 0 || work->N == 0) return ffi::Error::Success();
-  const int64_t items = (work->N / 16 + 1) / 2;
+  const int64_t items = (work->N / 16 + 1) / 2 * ((work->M + kPanelRows - 1) / kPanelRows);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain(*work); });
   drain(*work);

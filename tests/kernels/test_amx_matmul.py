@@ -40,7 +40,7 @@ def test_supported_exactly_where_the_cpu_has_amx():
     assert amx_matmul.supported() == HAS_AMX_CPU
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 16), (37, 576, 192), (64, 1536, 48), (3 * 16, 32, 80)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 16), (37, 576, 192), (64, 1536, 48), (3 * 16, 32, 80), (300, 64, 48)])
 def test_matches_xla_dot(rows, k, n):
     if not HAS_AMX_CPU:
         assert not amx_matmul.supported()
