@@ -5,10 +5,11 @@
 
 Why: the records hold the numbers; a figure shows the shape the paper argues from
 (memory held vs. wasted by allocator, batch sizes over time, latency against load,
-the block-size trade-off, sharing savings against the paper's ranges). Each plot is one
-function taking the loaded record and the output directory and returning the PNG's
-path; a plot whose results file is missing, or whose record lacks the figures it needs,
-is skipped with a printed line. Titles name the model and workload from the record.
+the block-size trade-off, sharing savings against the paper's ranges), and where the
+served step stands against this CPU's roofline. Each plot is one function taking the
+loaded record and the output directory and returning the PNG's path; a plot whose
+results file is missing, or whose record lacks the figures it needs, is skipped with a
+printed line. Titles name the model and workload from the record.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _RESULTS_DIR = flags.DEFINE_string("results_dir", os.path.join("experiments", "r
                                    "Directory of the results records (*.json).")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join("experiments", "plots"), "Where the PNGs go.")
 _ONLY = flags.DEFINE_list("only", None, "Plot names to make (default: all): utilization_waste, batched_timeline, "
-                                        "latency_vs_rate, block_size_sweep, sharing_savings.")
+                                        "latency_vs_rate, block_size_sweep, sharing_savings, roofline.")
 
 _DPI = 100  # 8 x 4.5 in at 100 dpi: readable on GitHub, ~50 KB per PNG
 _WASTE_KINDS = (("waste_internal_slots", "internal (reserved, never used)"),
@@ -242,6 +243,49 @@ def sharing_savings(record: dict, out_dir: str) -> str:
     return _save(fig, out_dir, "sharing_savings")
 
 
+def roofline(record: dict, out_dir: str, name: str = "roofline") -> str:
+    """roofline: achieved GFLOP/s against arithmetic intensity (matmul FLOPs per byte read),
+    one point per timed step, under each dtype's measured matmul ceiling and the
+    read-bandwidth line."""
+    plt = _pyplot()
+    fig_data = record["figures"]
+    steps = fig_data.get("steps")
+    if not steps:
+        raise SkipPlot("no steps in the record (rerun experiments.roofline)")
+    model, _ = _labels(record)
+    bandwidth = fig_data["bandwidth_gbs"]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    intensities = [s["arithmetic_intensity"] for s in steps]
+    lo, hi = min(intensities) / 3, max(intensities) * 3
+    top = max(c["gflops"] for c in fig_data["ceilings"])
+    ridge = min(max(top / bandwidth, lo), hi)  # where the bandwidth line meets the highest ceiling
+    ax.plot([lo, ridge, hi], [min(bandwidth * lo, top), top, top], color="black", linewidth=1,
+            label=f"read bandwidth {bandwidth:.1f} GB/s, up to the highest ceiling")
+    markers = {"decode": "o", "prefill": "s"}
+    for dtype, color in zip(dict.fromkeys(s["dtype"] for s in steps), ("tab:blue", "tab:orange", "tab:green")):
+        mine = [s for s in steps if s["dtype"] == dtype]
+        ceiling = max(c["gflops"] for c in fig_data["ceilings"] if c["dtype"] == dtype)
+        ax.axhline(ceiling, color=color, linestyle="--", linewidth=1,
+                   label=f"{dtype} matmul ceiling (best row count) {ceiling:.0f} GFLOP/s")
+        for s in mine:
+            ax.scatter(s["arithmetic_intensity"], s["achieved_gflops"], color=color, marker=markers.get(s["kind"], "x"),
+                       zorder=3)
+            ax.scatter(s["arithmetic_intensity"], s["ceiling_gflops"], color=color, marker="_", s=200, zorder=3)
+            size = f"{s['seqs']} seqs" if s["kind"] == "decode" else f"{s['tokens']} tokens"
+            ax.annotate(f"{s['kind']} {size}", (s["arithmetic_intensity"], s["achieved_gflops"]), fontsize=7,
+                        xytext=(4, -10), textcoords="offset points", color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (matmul FLOPs / byte of weights + KV read)")
+    ax.set_ylabel("GFLOP/s (matmul FLOPs / step time)")
+    ax.legend(fontsize=7, loc="lower right", title="o decode, s prefill; - : the ceiling at the step's rows",
+              title_fontsize=7)
+    context = (record.get("flags") or {}).get("context_len", steps[0].get("context_len"))
+    ax.set_title(f"Roofline of the served step: {model}, decode context {context} tokens", fontsize=10)
+    return _save(fig, out_dir, name)
+
+
 # plot name -> (results file it reads, function)
 PLOTS = {
     "utilization_waste": ("benchmark_throughput.json", utilization_waste),
@@ -251,6 +295,7 @@ PLOTS = {
                                   functools.partial(latency_vs_rate, name="latency_vs_rate_simulated")),
     "block_size_sweep": ("sweep_block_size.json", block_size_sweep),
     "sharing_savings": ("sharing_savings.json", sharing_savings),
+    "roofline": ("roofline.json", roofline),
 }
 
 

@@ -1,6 +1,7 @@
 """README rows of the peer comparisons: transformers (peer_hf), vLLM's CPU backend
-(peer_vllm), where our own time on the vLLM trace goes (trace_step_breakdown), and the
-CPU matmul layouts behind it (weight_layout).
+(peer_vllm), where our own time on the vLLM trace goes (trace_step_breakdown), the
+CPU matmul layouts behind it (weight_layout), how far the served step is from this CPU's
+roofline (roofline), and what bf16 changes in our own outputs (bf16_agreement).
 
 Split from results_rows.py (which imports these into its BUILDERS after defining the
 shared helpers, `rr.*` here, read at call time).
@@ -80,3 +81,48 @@ def weight_layout(record: dict) -> list:
         out.append((f"matmul GFLOP/s on this CPU, {dtype} weights, 30 distinct weights per shape (from memory), "
                     f"by weight layout: " + " / ".join(layouts), value + rr._cpu_note(record)))
     return out
+
+
+def roofline(record: dict) -> list:
+    """Per dtype: each timed step's achieved GFLOP/s and GB/s as fractions of the measured
+    matmul ceiling at its row count and of the read bandwidth."""
+    fig = record["figures"]
+    out = []
+    for dtype in dict.fromkeys(s["dtype"] for s in fig["steps"]):
+        mine = [s for s in fig["steps"] if s["dtype"] == dtype]
+        shapes = rr._join((f"{s['seqs']} seqs" if s["kind"] == "decode" else f"{s['tokens']} tokens" for s in mine))
+        value = "; ".join(f"{s['kind']} {s['seqs'] if s['kind'] == 'decode' else s['tokens']}: {s['step_ms']:.1f} ms, "
+                          f"{s['achieved_gflops']:.0f} GFLOP/s ({rr._pct(s['fraction_of_ceiling'])} of "
+                          f"{s['ceiling_gflops']:.0f}), {s['achieved_gbs']:.1f} GB/s "
+                          f"({rr._pct(s['fraction_of_bandwidth'])}), {s['step_over_roofline']:.1f}x the {s['bound']} "
+                          f"bound" for s in mine)
+        out.append((f"roofline of the served step, {rr.model_label(fig.get('model'))}, {dtype} (weights "
+                    f"{mine[0].get('weight_layout')}, KV {mine[0].get('kv_cache_dtype')}), decode at "
+                    f"{record['flags'].get('context_len')} context tokens and prefill chunks, {shapes}: step time, "
+                    f"matmul GFLOP/s (of the measured matmul ceiling at the step's rows), GB/s of weights + KV read "
+                    f"(of "
+                    f"{fig['bandwidth_gbs']:.1f} GB/s measured read bandwidth), step time / roofline bound",
+                    value + rr._cpu_note(record)))
+    return out
+
+
+def bf16_agreement(record: dict) -> list:
+    """Our bf16 engine's greedy outputs and first-token logits against our f32 engine's."""
+    fig, flags = record["figures"], record["flags"]
+    o, lg = fig["outputs"], fig["logits"]
+    q = o["first_difference"]
+    where = (f"; first differences at token {q['median']:g} (median; quartiles {q['p25']:g}-{q['p75']:g})"
+             if q["median"] is not None else "")
+    gaps = lg["f32_gaps_on_disagreement"]
+    flips = (f", f32 gap between the two tokens {rr._join(gaps, '{:.3g}', ', ')}" if gaps else "")
+    div = fig.get("divergences")
+    near = (f"; at the first differences the two tokens' f32 logits differ by {div['median_float32_gap']:.3g} "
+            f"(median)" if div and div.get("median_float32_gap") is not None else "")
+    return [((f"our engine in bfloat16 vs float32, greedy, on peer_vllm's trace ({o['num_requests']} "
+              f"{rr.workload_label(fig.get('workload'))} requests, outputs capped at {flags.get('max_output_tokens')}, "
+              f"EOS ignored), {rr.model_label(fig.get('model'))}: outputs equal token for token; share of each "
+              f"output before its first difference; first-token logits on the first {lg['num_prompts']} prompts"),
+             f"{o['identical']}/{o['num_requests']} equal; {rr._pct(o['mean_fraction_before_first_difference'])}"
+             f"{where}; logits max |bf16 - f32| {lg['max_abs_diff']:.3g}, mean {lg['mean_abs_diff']:.3g} (mean "
+             f"|f32 logit| {lg['mean_abs_f32_logit']:.3g}), top-1 agreement {rr._pct(lg['top1_agreement'])}{flips}"
+             f"{near}")]

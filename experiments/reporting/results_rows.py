@@ -388,7 +388,8 @@ def generic(record: dict) -> list:
 
 
 # the peer comparisons' builders live in peer_rows.py (imported here, after the helpers they use)
-from experiments.reporting.peer_rows import peer_hf, peer_vllm, trace_step_breakdown, weight_layout  # noqa: E402
+from experiments.reporting.peer_rows import (bf16_agreement, peer_hf, peer_vllm, roofline,  # noqa: E402
+                                             trace_step_breakdown, weight_layout)
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
@@ -396,6 +397,7 @@ BUILDERS = {
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
+    "roofline": roofline, "bf16_agreement": bf16_agreement,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,

@@ -1,0 +1,286 @@
+"""How close the served step comes to this CPU's limits: a roofline of decode and prefill steps.
+
+    python -m experiments.roofline                  # SmolLM2-135M, f32 and bf16, decode 8 / 32 / 64, prefill 256 / 1024
+    python -m experiments.roofline --model=tiny_llama --iters=1 --rounds=1 --bandwidth_mib=64 --output=roofline_tiny
+                                                    # a dry run of the script (random weights, figures meaningless)
+
+Why: experiments/step_profile.py splits a step into parts and experiments/weight_layout.py
+measures single matmuls, but neither says how far the whole step, as served, is from what
+the machine can do, or which limit applies: a decode step reads every weight once for a
+few rows (memory-bound), a prefill chunk multiplies them by hundreds of rows
+(compute-bound). For each --dtypes value this builds the engine (`LLM`, every step shape
+compiled at start-up, buckets set to exactly the shapes timed) and times its real step,
+`ModelRunner.run_batch` (the jitted model step over the paged KV cache, the greedy head,
+results to the host), on hand-built batches with real block tables (distinct, shuffled
+blocks) and real contexts: decode steps of --decode_seqs sequences at --context_len
+tokens each, and prefill chunks of --prefill_tokens tokens (from position 0, split over
+--prefill_seqs sequences; padded to the engine's mixed-step shape, so the head runs on
+max(decode_seqs) rows). Per step it reports
+  gflop            the model's matmul FLOPs for the real tokens: q/k/v/o and MLP projections
+                   of every token, the LM head for each sequence's last token
+                   (gflop_executed: for the padded shape; attention_gflop apart: QK^T and PV)
+  ceiling_gflops   the measured matmul rate at the step's row count (sequences for decode,
+                   tokens for prefill) on MLP-shaped matmuls ([rows, H] x [H, I] and
+                   [rows, I] x [I, H]) with num_layers distinct weights of each, so they
+                   come from memory: float32 XLA's jnp.dot; bfloat16 the fastest of XLA's
+                   bf16 x bf16 -> f32 dot ([in, out] and [out, in] weights) and the AMX
+                   kernel on packed weights (cpu_kernels/amx_matmul.py, where supported)
+  bytes_moved      the weights the step reads (layer matrices and the LM head, in their
+                   served dtype and layout) plus the K/V it reads (every sequence's
+                   context, every layer), against a measured read bandwidth (a jitted
+                   max-reduce over --bandwidth_mib MiB)
+and the roofline bound max(gflop / ceiling, bytes / bandwidth) the step time is measured
+against. Writes experiments/results/<output>.json and experiments/plots/<output>.png
+(`python -m experiments.plots --only=roofline` redraws it from the record).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "EngineConfig.dtype values to measure.")
+_DECODE_SEQS = flags.DEFINE_list("decode_seqs", ["8", "32", "64"], "Sequences per decode step (one token each).")
+_PREFILL_TOKENS = flags.DEFINE_list("prefill_tokens", ["256", "1024"], "Tokens per prefill chunk.")
+_PREFILL_SEQS = flags.DEFINE_integer("prefill_seqs", 1, "Sequences a prefill chunk's tokens are split over "
+                                                        "(1: one prompt's chunk, as the scheduler's FCFS gives).")
+_CONTEXT_LEN = flags.DEFINE_integer("context_len", 256, "Tokens in the cache of every decoding sequence "
+                                                        "(the new one included).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed steps per shape (median), after one warm-up step.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "Alternating rounds of the ceiling's matmul variants (fastest kept).")
+_BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array the read-bandwidth probe reduces.")
+_OUTPUT = flags.DEFINE_string("output", "roofline", "Result name: experiments/results/<output>.json (and the plot's).")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _median_ms(fn, iters: int) -> float:
+    fn()  # warm-up: the shape is compiled already, this pages in the buffers
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def matmul_flops(cfg, tokens: int, logits_rows: int) -> int:
+    """Projection FLOPs of `tokens` tokens through every layer, plus the LM head on `logits_rows` rows."""
+    h = cfg.hidden_size
+    per_token = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return 2 * (tokens * cfg.num_layers * per_token + logits_rows * h * cfg.vocab_size)
+
+
+def attention_flops(cfg, q_lens, starts) -> int:
+    """QK^T and PV FLOPs: each query token against the keys it sees (causal, sliding window)."""
+    visible = 0
+    for q_len, start in zip(q_lens, starts):
+        for position in range(start, start + q_len):
+            keys = position + 1
+            visible += min(keys, cfg.sliding_window) if cfg.sliding_window else keys
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * visible
+
+
+def kv_read_bytes(cfg, contexts, itemsize: int) -> int:
+    """K and V of every sequence's context (each token read once per layer)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * sum(contexts)
+
+
+def served_weight_bytes(runner) -> int:
+    """What one step reads of the weights: every layer array as served (packed, transposed or
+    as stored) and the LM head (the packed copy where there is one); the embedding lookup's
+    few rows are left out."""
+    import jax
+    params = runner.params
+    layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"]))
+    if runner.packed_head is not None:
+        head = runner.packed_head.nbytes
+    else:
+        head = (params["lm_head"] if params.get("lm_head") is not None else params["embed"]).nbytes
+    return int(layers + head + params["final_norm"].nbytes)
+
+
+def build_batch(runner, q_lens, starts, rng):
+    """A BatchInputs of the engine's bucketed shape: row i has q_lens[i] new tokens from
+    position starts[i], its context in distinct shuffled blocks (as a long-running block
+    pool hands them out), slots mapped through its table as prepare_batch does."""
+    import numpy as np
+
+    from paged_jax.worker.batch_inputs import batch_shape
+    config, bs = runner.config, runner.config.block_size
+    S, T = batch_shape(config.seq_buckets, config.token_buckets, len(q_lens), sum(q_lens))
+    batch = runner.empty_batch(S, T)
+    needed = [_cdiv(s + q, bs) for q, s in zip(q_lens, starts)]
+    if sum(needed) > runner.num_blocks - 1:
+        raise ValueError(f"{sum(needed)} blocks needed, the cache has {runner.num_blocks - 1}")
+    pool = 1 + rng.permutation(runner.num_blocks - 1)
+    cursor, used = 0, 0
+    for row, (q_len, start, n_blocks) in enumerate(zip(q_lens, starts, needed)):
+        table = np.zeros(runner.max_blocks_per_seq, np.int32)
+        table[:n_blocks] = pool[used:used + n_blocks]
+        used += n_blocks
+        positions = np.arange(start, start + q_len, dtype=np.int32)
+        span = slice(cursor, cursor + q_len)
+        batch.token_ids[span] = rng.integers(3, runner.model_config.vocab_size, q_len)
+        batch.positions[span] = positions
+        batch.slot_mapping[span] = table[positions // bs] * bs + positions % bs
+        batch.block_tables[row] = table
+        batch.context_lens[row] = start + q_len
+        cursor += q_len
+        batch.query_start_loc[row + 1] = cursor
+        batch.logits_indices[row] = cursor - 1
+    batch.query_start_loc[len(q_lens) + 1:] = cursor
+    return batch
+
+
+def matmul_ceiling(cfg, dtype: str, rows: int, rounds: int, rng) -> dict:
+    """GFLOP/s of MLP-shaped matmuls at `rows` rows, num_layers distinct weights per shape,
+    per variant (fastest of `rounds` alternating rounds), and the best of them."""
+    import jax
+    import jax.numpy as jnp
+
+    from cpu_kernels import amx_matmul
+    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    ups = [jnp.asarray(rng.standard_normal((h, i)) * 0.02, dtype) for _ in range(n)]
+    downs = [jnp.asarray(rng.standard_normal((i, h)) * 0.02, dtype) for _ in range(n)]
+    x, xi = (jnp.asarray(rng.standard_normal((rows, k)), dtype) for k in (h, i))
+
+    def dots(dot):
+        return jax.jit(lambda x, xi, ups, downs: [dot(x, w) for w in ups] + [dot(xi, w) for w in downs])
+    in_out = dots(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32))
+    variants = {"xla_in_out": (in_out, ups, downs)}
+    if dtype == "bfloat16":
+        out_in = dots(lambda a, w: jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())),
+                                                       preferred_element_type=jnp.float32))
+        variants["xla_out_in"] = (out_in, [w.T.copy() for w in ups], [w.T.copy() for w in downs])
+        if amx_matmul.supported() and amx_matmul.packable(ups[0]) and amx_matmul.packable(downs[0]):
+            variants["amx_tiles"] = (dots(amx_matmul.amx_matmul), [amx_matmul.pack_weights(w) for w in ups],
+                                     [amx_matmul.pack_weights(w) for w in downs])
+    for fn, u, d in variants.values():
+        jax.block_until_ready(fn(x, xi, u, d))
+    best = {v: float("inf") for v in variants}
+    for _ in range(rounds):
+        for v, (fn, u, d) in variants.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x, xi, u, d))
+            best[v] = min(best[v], time.perf_counter() - start)
+    flop = 2 * rows * h * i * 2 * n
+    gflops = {v: round(flop / t / 1e9, 1) for v, t in best.items()}
+    return {"rows": rows, "dtype": dtype, "variants_gflops": gflops, "gflops": max(gflops.values()),
+            "best_variant": max(gflops, key=gflops.get)}
+
+
+def read_bandwidth_gbs(mib: int, iters: int = 5) -> float:
+    """GB/s of a jitted max-reduce over a float32 array of `mib` MiB (fastest call)."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.block_until_ready(jax.jit(lambda: jnp.arange(mib * 2**18, dtype=jnp.float32))())
+    reduce = jax.jit(jnp.max)
+    jax.block_until_ready(reduce(a))
+    best = float("inf")
+    for _ in range(max(iters, 3)):
+        start = time.perf_counter()
+        jax.block_until_ready(reduce(a))
+        best = min(best, time.perf_counter() - start)
+    return round(a.nbytes / best / 1e9, 2)
+
+
+def measure_dtype(model, dtype: str, bandwidth: float, rng) -> tuple[list, list]:
+    """(step rows, ceiling rows) of one engine dtype."""
+    from paged_jax.engine.llm import LLM
+    decode, prefill = [int(s) for s in _DECODE_SEQS.value], [int(t) for t in _PREFILL_TOKENS.value]
+    k, ctx, bs = _PREFILL_SEQS.value, _CONTEXT_LEN.value, _BLOCK_SIZE.value
+    longest = max([ctx] + [_cdiv(t, k) for t in prefill])
+    blocks = max([n * _cdiv(ctx, bs) for n in decode] + [k * _cdiv(_cdiv(t, k), bs) for t in prefill])
+    max_seqs = max(decode + [k])
+    llm = LLM(model, dtype=dtype, block_size=bs, max_model_len=longest, num_blocks=blocks + 1,
+              max_num_seqs=max_seqs, max_num_batched_tokens=max(decode + prefill), enable_prefix_caching=False,
+              seq_buckets=tuple(sorted(set(decode + [max_seqs]))), token_buckets=tuple(sorted(set(decode + prefill))))
+    runner, cfg = llm.engine.runner, model.config
+    weights = served_weight_bytes(runner)
+    kv_itemsize = runner.kv_cache["k"].dtype.itemsize
+    cases = [("decode", [1] * n, [ctx - 1] * n) for n in decode]
+    cases += [("prefill", [t // k + (j < t % k) for j in range(k)], [0] * k) for t in prefill]
+    ceilings, rows = {}, []
+    for kind, q_lens, starts in cases:
+        batch = build_batch(runner, q_lens, starts, rng)
+        step_ms = _median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+        seqs, tokens = len(q_lens), sum(q_lens)
+        padded_rows, padded_tokens = batch.block_tables.shape[0], batch.token_ids.shape[0]
+        mm_rows = seqs if kind == "decode" else tokens
+        if mm_rows not in ceilings:
+            ceilings[mm_rows] = matmul_ceiling(cfg, dtype, mm_rows, _ROUNDS.value, rng)
+        ceiling = ceilings[mm_rows]["gflops"]
+        flop = matmul_flops(cfg, tokens, seqs)
+        contexts = [s + q for q, s in zip(q_lens, starts)]
+        moved = weights + kv_read_bytes(cfg, contexts, kv_itemsize)
+        bound_ms = max(flop / ceiling / 1e6, moved / bandwidth / 1e6)
+        rows.append({
+            "dtype": dtype, "kind": kind, "seqs": seqs, "tokens": tokens, "context_len": max(contexts),
+            "padded_rows": padded_rows, "padded_tokens": padded_tokens, "step_ms": round(step_ms, 2),
+            "gflop": round(flop / 1e9, 3),
+            "gflop_executed": round(matmul_flops(cfg, padded_tokens, padded_rows) / 1e9, 3),
+            "attention_gflop": round(attention_flops(cfg, q_lens, starts) / 1e9, 4),
+            "achieved_gflops": round(flop / step_ms / 1e6, 1), "ceiling_gflops": ceiling,
+            "fraction_of_ceiling": round(flop / step_ms / 1e6 / ceiling, 3),
+            "weight_bytes": weights, "kv_read_bytes": moved - weights, "bytes_moved": moved,
+            "arithmetic_intensity": round(flop / moved, 2), "achieved_gbs": round(moved / step_ms / 1e6, 2),
+            "bandwidth_gbs": bandwidth, "fraction_of_bandwidth": round(moved / step_ms / 1e6 / bandwidth, 3),
+            "roofline_ms": round(bound_ms, 2), "bound": "memory" if moved / bandwidth > flop / ceiling else "compute",
+            "step_over_roofline": round(step_ms / bound_ms, 2)})
+        r = rows[-1]
+        print(f"{dtype:<9} {kind:<7} seqs {seqs:>3} tokens {tokens:>5}: {r['step_ms']:8.1f} ms  "
+              f"{r['achieved_gflops']:6.0f} GFLOP/s ({r['fraction_of_ceiling']:.0%} of {ceiling:.0f})  "
+              f"{r['achieved_gbs']:6.1f} GB/s ({r['fraction_of_bandwidth']:.0%} of {bandwidth:.1f})  "
+              f"{r['step_over_roofline']:.1f}x the {r['bound']} bound", flush=True)
+    config = llm.engine.config
+    settings = {"dtype": dtype, "attention_backend": config.attention_backend, "kv_cache_dtype": config.kv_cache_dtype,
+                "layer_loop": config.layer_loop, "weight_layout": runner.weight_layout}
+    del llm, runner
+    return [dict(r, **{k_: v for k_, v in settings.items() if k_ != "dtype"}) for r in rows], list(ceilings.values())
+
+
+def main(argv):
+    del argv
+    import os
+
+    import numpy as np
+
+    from experiments import plots
+    from experiments.bench_models import load_for_benchmark
+    from experiments.reporting.results_io import RESULTS_DIR, write_result
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    enable_compilation_cache()
+    unknown = set(_DTYPES.value) - {"float32", "bfloat16"}
+    if unknown:
+        raise app.UsageError(f"unknown dtypes {sorted(unknown)}")
+    longest = max([_CONTEXT_LEN.value] + [int(t) for t in _PREFILL_TOKENS.value])
+    model = load_for_benchmark(_MODEL.value, longest)
+    rng = np.random.default_rng(0)
+    bandwidth = read_bandwidth_gbs(_BANDWIDTH_MIB.value)
+    print(f"read bandwidth ({_BANDWIDTH_MIB.value} MiB max-reduce): {bandwidth:.1f} GB/s", flush=True)
+    steps, ceilings = [], []
+    for dtype in _DTYPES.value:
+        s, c = measure_dtype(model, dtype, bandwidth, rng)
+        steps += s
+        ceilings += c
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
+    figures = {"model": model.source, "bandwidth_gbs": bandwidth, "bandwidth_probe_mib": _BANDWIDTH_MIB.value,
+               "steps": steps, "ceilings": ceilings, "load_average_end": os.getloadavg()}
+    path = write_result(_OUTPUT.value, flags=flag_values, seed=0, figures=figures)
+    print("wrote", path)
+    import json
+    with open(path) as f:
+        print("plot:", plots.roofline(json.load(f), os.path.join(os.path.dirname(RESULTS_DIR), "plots"),
+                                      name=_OUTPUT.value))
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
