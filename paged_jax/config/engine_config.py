@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "xla", "reference")
 LAYER_LOOPS = ("auto", "unroll", "scan")
@@ -50,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # tokens per step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
+    scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) | "priority" (lower request priority first; vLLM's rule)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
     attention_backend: str = "auto"  # "native" CPU kernel | "pallas" kernel | "xla" chunked | "reference" jnp | "auto"
     layer_loop: str = "auto"  # "unroll" (per-layer weights, a Python loop) | "scan" | "auto": unroll on CPU
@@ -82,6 +84,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
         if self.kv_allocator != "paged":

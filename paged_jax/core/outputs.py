@@ -5,6 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a prompt-logprobs position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+# One prompt position: the prompt's own token and the k most likely tokens there (None for
+# the first prompt token, which nothing predicts).
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int  # which of the request's n completions
@@ -32,6 +46,8 @@ class RequestOutput:
     finished: bool
     metrics: dict | None = None  # arrival / first-token / finish times (seconds, time.monotonic)
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field)
+    # One entry per prompt token when SamplingParams.prompt_logprobs was set (else None)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclasses.dataclass

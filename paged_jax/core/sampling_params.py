@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from paged_jax.core.structured_outputs import StructuredOutputsParams
+
 INT32_MAX = 2**31 - 1  # top_k reaches an i32 array in the jitted step
 
 
@@ -33,6 +35,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # extra stop tokens besides EOS
     ignore_eos: bool = False  # keep generating past EOS
     logprobs: int | None = None  # return the chosen token's logprob (and top-k later); None = off
+    # Per prompt token (but the first), its logprob under the model given the tokens before it,
+    # plus the prompt_logprobs most likely alternatives (vLLM's `prompt_logprobs`); None = off.
+    # Such a request never reads the prefix cache (a cached block has no logits: vLLM's rule).
+    prompt_logprobs: int | None = None
+    # A constraint the output must satisfy (a JSON schema, regex, choice, grammar: vLLM's
+    # StructuredOutputsParams); None = free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
@@ -53,6 +62,13 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if self.stop is not None:

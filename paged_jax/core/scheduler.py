@@ -1,15 +1,26 @@
 """Continuous batching at iteration level: which sequences run this step, and how far.
 
-Three queues, FCFS: waiting (new, or preempted by recompute), running (hold device
-blocks), swapped (blocks in host memory). Each step every scheduled sequence's
+Three queues: waiting (new, or preempted by recompute), running (hold device blocks),
+swapped (blocks in host memory). Each step every scheduled sequence's
 `num_computed_tokens` catches up towards its `num_tokens` under one token budget
 (`max_num_batched_tokens`), so a prefill chunk and decode tokens share a step (vLLM v1's
 rule; there is no separate prefill phase). Order of service: running first (in
-admission order), then swapped back in, then waiting. When the block manager cannot
-grow a running sequence, the most recently admitted request's running sequences (kept
-adjacent in `running`) are preempted together, by recompute (free their blocks, requeue
-them at the front of waiting) or by swap (copy their blocks to host memory as one
-group, so blocks they share stay shared). A step that preempted admits nothing new.
+admission order), then swapped back in, then waiting (FCFS). When the block manager
+cannot grow a running sequence, the most recently admitted request's running sequences
+(kept adjacent in `running`) are preempted together, by recompute (free their blocks,
+requeue them at the front of waiting) or by swap (copy their blocks to host memory as
+one group, so blocks they share stay shared). A step that preempted admits nothing new.
+
+Priority (`scheduling_policy="priority"`, vLLM's rule; scheduling_policy.py): each queue
+is kept in (priority, arrival_time, admission counter) order, lower first, instead of
+admission order, so the code above serves the best request first everywhere: waiting
+sequences (recompute-preempted ones too) are admitted, swapped groups return and running
+sequences get the budget best first, and the tail of `running`, the victim, is the
+lowest-priority request, the latest arrival among equals (vLLM v1's victim,
+`max(running, key=(priority, arrival_time))`). A victim comes after the sequence that
+needs its blocks, so no request is preempted for a lower-priority one. A request's
+sequences share its key, so they stay adjacent and are still preempted together.
+Swapped groups still return before anything waiting is admitted (progress, below).
 
 Sharing: a new sequence starts from the longest run of cached blocks of its prefix
 (prefix caching; only among sequences of equal `cache_salt`), and the completions of an
@@ -33,6 +44,7 @@ import collections
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from paged_jax.core.scheduling_policy import PriorityOrder
 from paged_jax.core.sequence import Sequence, SequenceStatus
 
 
@@ -48,8 +60,10 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []  # admission order (a request's sequences adjacent)
+        self.running: list[Sequence] = []  # admission (or priority) order, a request's sequences adjacent
         self.swapped: collections.deque[list[Sequence]] = collections.deque()  # swap groups
+        # "priority": every queue sorted by request key; None: FCFS (admission order)
+        self.priority = PriorityOrder() if config.scheduling_policy == "priority" else None
         self.num_preemptions = 0  # sequences preempted (a group counts each member)
         self.prefix_cache_query_tokens = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in cached blocks
@@ -58,7 +72,11 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.priority is None:
+            self.waiting.append(seq)
+        else:
+            self.priority.join(seq)
+            self.priority.insert(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -83,12 +101,16 @@ class Scheduler:
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
             self._finished_ids.append(seq.seq_id)
+        if self.priority is not None:
+            self.priority.leave(seq)
         seq.status = status
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue `child` (a copy of the parent's tokens) right after the parent's request
         members; a running parent shares all its blocks with it (copy-on-write later)."""
         bm = self.block_manager
+        if self.priority is not None:
+            self.priority.join(child)  # the parent's request: its key, so it queues with its request
         if parent.status is SequenceStatus.RUNNING:
             bm.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
@@ -101,8 +123,11 @@ class Scheduler:
         else:  # waiting or swapped: the child computes its tokens from scratch
             child.num_computed_tokens = 0
             child.status = SequenceStatus.WAITING
-            i = self.waiting.index(parent) + 1 if parent in self.waiting else 0
-            self.waiting.insert(i, child)
+            if self.priority is None:
+                i = self.waiting.index(parent) + 1 if parent in self.waiting else 0
+                self.waiting.insert(i, child)
+            else:
+                self.priority.insert(self.waiting, child)
 
     def _fork_if_ready(self, seq: Sequence) -> list[Sequence]:
         """Fork a running sequence's pending completions once it reached its fork point."""
@@ -123,7 +148,7 @@ class Scheduler:
         preempted: list[int] = []
         bm = self.block_manager
 
-        # 1. running sequences, in admission order
+        # 1. running sequences, in admission (or priority) order
         i = 0
         while i < len(self.running) and self._has_room():
             seq = self.running[i]
@@ -152,7 +177,7 @@ class Scheduler:
             swap_in.extend(bm.swap_in(ids))
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._to_running(seq)
             for seq in group:
                 # swapped at its fork point, it has nothing to compute until it forks: fork
                 # now, or a step that only swapped it in would schedule nothing (and stall)
@@ -162,10 +187,11 @@ class Scheduler:
                     if num_new and self._has_room() and not self._try_schedule(member, num_new) and not children:
                         raise AssertionError("checked above: the group and its growth fit")
 
-        # 3. waiting sequences, FCFS, while blocks and budget last
+        # 3. waiting sequences, in queue order (FCFS or priority), while blocks and budget last
         while self.waiting and not preempted and not self.swapped and self._has_room():
             seq = self.waiting[0]
-            hits = bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt)
+            hits = ([] if seq.skip_reading_prefix_cache
+                    else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt))
             num_cached = len(hits) * bm.block_size
             missing = seq.num_tokens_to_compute - num_cached
             num_new = self._fit_budget(missing)
@@ -182,7 +208,7 @@ class Scheduler:
             if not seq.num_preemptions:  # first admission: what the request is told was cached
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._to_running(seq)
             if num_new:
                 self._add_chunk(seq, num_new)
             for child in self._fork_if_ready(seq):  # the cache held all but the last token
@@ -192,6 +218,12 @@ class Scheduler:
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
                                tuple(preempted), finished)
+
+    def _to_running(self, seq: Sequence) -> None:
+        if self.priority is None:
+            self.running.append(seq)
+        else:
+            self.priority.insert(self.running, seq)
 
     def _has_room(self) -> bool:
         return self._budget > 0 and len(self._chunks) < self.config.max_num_seqs
@@ -225,8 +257,9 @@ class Scheduler:
         self._budget -= num_new
 
     def _victims(self, i: int) -> list[Sequence]:
-        """The most recently admitted request's running sequences at positions >= i (the
-        trailing run of `running`: a request's sequences are adjacent)."""
+        """The last request's running sequences at positions >= i (the trailing run of
+        `running`: a request's sequences are adjacent): the most recently admitted one, or
+        under priority the lowest-priority, latest-arriving one."""
         request_id = self.running[-1].request_id
         j = len(self.running) - 1
         while j > i and self.running[j - 1].request_id == request_id:
@@ -244,13 +277,20 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and bm.can_swap_out(ids):
             for seq in victims:
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(list(victims))
+            if self.priority is None:
+                self.swapped.append(list(victims))
+            else:
+                self.priority.insert_group(self.swapped, list(victims))
             return bm.swap_out(ids)
         for seq in reversed(victims):  # recompute (or swap space is full): start over from the tokens
             bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            if self.priority is None:
+                self.waiting.appendleft(seq)
+        if self.priority is not None:  # back into waiting at their request's key, in their order
+            for seq in victims:
+                self.priority.insert(self.waiting, seq)
         return []
 
     def update(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> list[tuple[int, Sequence]]:

@@ -57,9 +57,15 @@ class Sequence:
     # Prefix caching: requests with different salts never share cached blocks (vLLM's
     # cache_salt; part of every block key of this sequence's prompt).
     cache_salt: str | None = None
+    # Priority scheduling (EngineConfig.scheduling_policy="priority"): lower runs earlier and
+    # is preempted later (vLLM's rule); a request's forks and beams inherit it.
+    priority: int = 0
     # Prompt tokens whose K/V came from the prefix cache at this sequence's first admission
     # (vLLM's RequestOutput.num_cached_tokens).
     num_cached_tokens: int = 0
+    # Prompt logprobs: how many prompt positions (from position 1) the engine has reported, so
+    # a prefill recomputed after a preemption does not report them twice.
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +76,12 @@ class Sequence:
         """Prompt + max_tokens: the length it reaches unless a stop ends it first (the engine
         also caps it at max_model_len); contiguous allocators reserve for it at admission."""
         return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request for prompt logprobs computes its whole prompt: cached blocks have K/V,
+        not the logits of their positions (vLLM's rule)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

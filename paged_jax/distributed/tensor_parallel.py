@@ -183,5 +183,5 @@ def jit_kwargs(mesh: Mesh, params: Params) -> dict:
     replicated in, results replicated out (the cache keeps its sharding, so donation
     aliases it and no step reshards)."""
     return {"in_shardings": (jax.tree.map(lambda a: a.sharding, params), cache_sharding(mesh), replicated(mesh)),
-            "out_shardings": (replicated(mesh), cache_sharding(mesh))}
+            "out_shardings": (replicated(mesh), cache_sharding(mesh), replicated(mesh))}
 

@@ -33,6 +33,7 @@ from paged_jax.engine.beam_orchestration import advance_beams, beam_results
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
 from paged_jax.engine.processor import validate_prompt_token_ids
+from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
 from paged_jax.worker.model_runner import ModelRunner
@@ -55,6 +56,9 @@ class _CoreRequest:
     root: Sequence  # the first sequence: its prefix-cache hits are the request's num_cached_tokens
     beam: BeamSearchState | None = None
     first_token_time: float | None = None
+    # prompt logprobs computed since the request's last output: (token, logprob, rank, top-k)
+    pending_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = dataclasses.field(
+        default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -65,11 +69,13 @@ class _CoreRequest:
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, params, config: EngineConfig, *, runner_factory=ModelRunner,
-                 clock=time.monotonic, mesh=None):
+                 clock=time.monotonic, mesh=None, structured_outputs: StructuredOutputManager | None = None):
         """`params`: the model weights (None for a model-free runner); `mesh`: the device
         mesh the weights are sharded over, for tensor parallelism. `runner_factory`
         (ModelRunner's signature) and `clock` (seconds) are injection points: the simulator
-        passes a model-free runner and a virtual clock."""
+        passes a model-free runner and a virtual clock. `structured_outputs`: the grammar
+        matchers of constrained requests (engine/structured_outputs.py; the front end builds
+        it from the tokenizer); without it, a request with structured_outputs is refused."""
         self.model_config = model_config
         self.config = resolve_config(config, model_config)
         config = self.config
@@ -84,8 +90,12 @@ class EngineCore:
                                                      max_model_len=config.max_model_len)
         check_capacity(config, self.block_manager)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.structured_outputs = structured_outputs
+        extra = {"mesh": mesh} if mesh else {}
+        if structured_outputs is not None:  # the runner compiles its masked heads too
+            extra["structured_outputs"] = True
         self.runner = runner_factory(model_config, params, config, num_blocks=config.num_blocks,
-                                     num_host_blocks=num_host_blocks, **({"mesh": mesh} if mesh else {}))
+                                     num_host_blocks=num_host_blocks, **extra)
         self._clock = clock
         self.runner.warm_up()
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
@@ -97,9 +107,15 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | BeamSearchParams | None = None, *, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; raises ValueError (and queues nothing) on bad input."""
+                    cache_salt: str | None = None, priority: int = 0) -> None:
+        """Queue a request; raises ValueError (and queues nothing) on bad input. `priority`:
+        lower is served earlier and preempted later (scheduling_policy="priority" only)."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} requires scheduling_policy='priority' "
+                             f"(the engine's is {self.config.scheduling_policy!r})")
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if request_id in self._requests:
@@ -116,12 +132,21 @@ class EngineCore:
             request = self._sampling_request(request_id, token_ids, params, now, cache_salt)
         self._requests[request_id] = request
         for seq in request.seqs:
+            seq.priority = int(priority)  # forked completions and beams inherit it (_fork_of)
             self._seqs[seq.seq_id] = seq
         self.scheduler.add(request.seqs[0])
 
     def _sampling_request(self, request_id, token_ids, params: SamplingParams, now, cache_salt) -> _CoreRequest:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.config.max_logprobs}")
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise ValueError("structured_outputs needs an engine with a (fast Hugging Face) tokenizer and "
+                                 "llguidance installed")
+            self.structured_outputs.check(params.structured_outputs)  # an invalid grammar: ValueError, nothing queued
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the engine's max_logprobs="
                              f"{self.config.max_logprobs}")
         check_group_fits(self.config, self.block_manager, params.n, len(token_ids) + params.max_tokens)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
@@ -152,8 +177,10 @@ class EngineCore:
         return seq
 
     def _fork_of(self, parent: Sequence) -> Sequence:
-        return self._new_seq(parent.request_id, 0, parent.prompt_token_ids, parent.sampling_params,
-                             parent.arrival_time, 0, parent.cache_salt)
+        seq = self._new_seq(parent.request_id, 0, parent.prompt_token_ids, parent.sampling_params,
+                            parent.arrival_time, 0, parent.cache_salt)
+        seq.priority = parent.priority
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks at once (unknown or finished ids: no-op)."""
@@ -164,6 +191,8 @@ class EngineCore:
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._seqs.pop(seq.seq_id, None)
+            if self.structured_outputs is not None:
+                self.structured_outputs.drop(seq.seq_id)
 
     def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
         """End completion `index` of a request as stopped (the front end found stop string
@@ -205,8 +234,16 @@ class EngineCore:
                 raise RuntimeError(f"the scheduler cannot make progress: {self.stats()}")
             return []
         device_before = self.runner.device_seconds
-        result = self.runner.execute(output, self._seqs)
+        so = self.structured_outputs
+        if so is not None and so.has_constrained_rows(output.chunks, self._seqs):
+            # a function: the runner calls it when it needs the mask (off CPU, while its model step runs)
+            result = self.runner.execute(output, self._seqs,
+                                         token_bitmask=lambda: so.bitmask(output.chunks, self._seqs))
+        else:
+            result = self.runner.execute(output, self._seqs)
         now = self._clock()
+        if result.prompt is not None:
+            self._record_prompt_logprobs(output, result.prompt)
         moved: dict[str, list[CompletionDelta]] = {}
         for row, seq in self.scheduler.update(output, self._seqs):
             request = self._requests[seq.request_id]
@@ -229,7 +266,9 @@ class EngineCore:
                     continue  # beams are reported once the search is done
                 deltas = beam_results(request.beam, request.stop_ids)
             outputs.append(EngineCoreOutput(request_id, deltas, request.finished, now, request.arrival_time,
-                                            request.first_token_time, request.root.num_cached_tokens))
+                                            request.first_token_time, request.root.num_cached_tokens,
+                                            request.pending_prompt_logprobs or None))
+            request.pending_prompt_logprobs = []
             if request.finished:
                 self._drop(request)
         self.stats_tracker.record_step(output, time.perf_counter() - host_start,
@@ -244,8 +283,11 @@ class EngineCore:
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
+        grammar_done = self.structured_outputs is not None and self.structured_outputs.accept(seq, token)
         if token in request.stop_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif grammar_done:  # the constraint admits nothing more (vLLM: stop)
+            status = SequenceStatus.FINISHED_STOPPED
         elif (len(seq.output_token_ids) >= request.params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -254,6 +296,25 @@ class EngineCore:
             self.scheduler.finish(seq, status)
         return CompletionDelta(seq.index, [token], [logprob], top, seq.cumulative_logprob,
                                status.value if status is not None else None, seq.stop_reason)
+
+    def _record_prompt_logprobs(self, output, prompt) -> None:
+        """Queue each scored prompt position on its request (sent with its next output).
+        Positions come in order; after a recompute preemption a prefill scores its prompt
+        again, and positions already reported are skipped."""
+        for i, row in enumerate(prompt.rows.tolist()):
+            seq = self._seqs[output.chunks[row].seq_id]
+            index = int(prompt.positions[i]) + 1  # the prompt token scored
+            if index <= seq.num_prompt_logprobs:
+                continue
+            if index != seq.num_prompt_logprobs + 1:
+                raise AssertionError(f"prompt logprobs out of order: position {index} after "
+                                     f"{seq.num_prompt_logprobs}")
+            request = self._requests[seq.request_id]
+            k = request.params.prompt_logprobs
+            top = list(zip(prompt.top_ids[i, :k].tolist(), prompt.top_logprobs[i, :k].tolist()))
+            request.pending_prompt_logprobs.append((seq.prompt_token_ids[index], float(prompt.logprobs[i]),
+                                                    int(prompt.ranks[i]), top))
+            seq.num_prompt_logprobs = index
 
     def _advance_beams(self, request: _CoreRequest) -> None:
         step = advance_beams(request.beam, request.seqs, self.scheduler, self._fork_of)
@@ -267,3 +328,5 @@ class EngineCore:
         del self._requests[request.request_id]
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
+            if self.structured_outputs is not None:
+                self.structured_outputs.drop(seq.seq_id)

@@ -36,3 +36,6 @@ class EngineCoreOutput:
     arrival_time: float
     first_token_time: float | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache (the first sequence's)
+    # prompt positions scored since the last output, in order from prompt token 1:
+    # (prompt token, its logprob, its rank, the top-k (token, logprob)); None when none
+    new_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None

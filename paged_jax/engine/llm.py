@@ -31,11 +31,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a str, a list of str, or {"prompt_token_ids": [...]} or
         {"prompt": str} dicts, either optionally with "cache_salt"); returns one RequestOutput
-        per prompt, in input order. All prompts are validated before any is queued, so a bad
-        one leaves the engine untouched."""
+        per prompt, in input order. `priority`: one int per prompt, lower served earlier
+        (needs scheduling_policy="priority", as in vLLM). All prompts are validated before
+        any is queued, so a bad one leaves the engine untouched."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -45,7 +46,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        return self._run(prompts, params, "generate", use_tqdm)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif isinstance(priority, str) or not hasattr(priority, "__len__"):
+            raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
+        priority = list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, "generate", use_tqdm, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search inside the paged engine (transformers' algorithm with
@@ -55,7 +63,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        outputs = self._run(list(prompts), [params] * len(prompts), "beam search", use_tqdm)
+        outputs = self._run(list(prompts), [params] * len(prompts), "beam search", use_tqdm, [0] * len(prompts))
         return [BeamSearchOutput(o.prompt, o.prompt_token_ids,
                                  [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.score,
                                                      c.finish_reason) for c in o.outputs])
@@ -65,15 +73,15 @@ class LLM:
         """Forget every cached prefix block; returns how many were forgotten."""
         return self.engine.reset_prefix_cache()
 
-    def _run(self, prompts, params, desc: str, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts, params, desc: str, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
         for prompt in prompts:  # validate everything first
             self.engine.processor.process(prompt)
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, priority in zip(prompts, params, priorities):
             request_id = f"llm-{self._counter}"
             self._counter += 1
             try:
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=priority)
             except ValueError:  # e.g. n too large for the cache: queue all or nothing
                 for queued in ids:
                     self.engine.abort_request(queued)

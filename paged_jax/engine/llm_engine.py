@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import inspect
 import time
 
 import jax
 import jax.numpy as jnp
+from transformers import PreTrainedTokenizerFast
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
@@ -25,6 +28,7 @@ from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.core import EngineCore, completion_seed
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.processor import Processor
+from paged_jax.engine.structured_outputs import GrammarCompiler, StructuredOutputManager
 from paged_jax.loading import LoadedModel, load_model
 from paged_jax.worker.model_runner import ModelRunner
 
@@ -37,6 +41,18 @@ def _with_dtype(loaded: LoadedModel, dtype: str) -> LoadedModel:
     if loaded.params is None or all(jnp.dtype(a.dtype) == jnp.dtype(dtype) for a in jax.tree.leaves(loaded.params)):
         return loaded
     return dataclasses.replace(loaded, params=jax.tree.map(lambda a: a.astype(dtype), loaded.params))
+
+
+def _structured_outputs(loaded: LoadedModel, runner_factory) -> StructuredOutputManager | None:
+    """The grammar matchers for constrained requests, where they can work: a fast Hugging
+    Face tokenizer (llguidance reads its vocabulary), llguidance installed, and a runner
+    that samples under a mask (ModelRunner; the simulator's model-free runners do not)."""
+    if not isinstance(loaded.tokenizer, PreTrainedTokenizerFast) or importlib.util.find_spec("llguidance") is None:
+        return None
+    if "structured_outputs" not in inspect.signature(runner_factory).parameters:
+        return None
+    return StructuredOutputManager(GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size,
+                                                   loaded.config.eos_token_ids))
 
 
 class LLMEngine:
@@ -60,7 +76,7 @@ class LLMEngine:
         if loaded.model_class is not None:  # a researcher's own Flax decoder (LoadedModel.model_class)
             runner_factory = functools.partial(runner_factory, model_class=loaded.model_class)
         self.core = EngineCore(loaded.config, loaded.params, config, runner_factory=runner_factory, clock=clock,
-                               mesh=mesh)
+                               mesh=mesh, structured_outputs=_structured_outputs(loaded, runner_factory))
         self.processor = Processor(self.tokenizer, self.core.config.max_model_len, self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, final_outputs_only=final_outputs_only)
 
@@ -88,15 +104,16 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
                     params: SamplingParams | BeamSearchParams | None = None, *,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. `prompt` is text, a list of token ids, {"prompt_token_ids": [...]}
         or {"prompt": text} (either dict may add "cache_salt": str); `params` a
-        SamplingParams or, for beam search, a BeamSearchParams. Raises ValueError (and
-        queues nothing) on bad input."""
+        SamplingParams or, for beam search, a BeamSearchParams; `priority` an int, lower
+        served earlier (needs scheduling_policy="priority" unless 0, as in vLLM). Raises
+        ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
         processed = self.processor.process(prompt)
         self.core.add_request(request_id, processed.token_ids, params, arrival_time=arrival_time,
-                              cache_salt=processed.cache_salt)
+                              cache_salt=processed.cache_salt, priority=priority)
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params)
 
     def abort_request(self, request_id: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paged_jax.core.outputs import CompletionOutput, RequestOutput
+from paged_jax.core.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.detokenizer import Detokenizer, IncrementalDetokenizer
@@ -46,6 +46,8 @@ class _RequestState:
     arrival_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs_k: int | None = None  # SamplingParams.prompt_logprobs
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs so far ([None] + one dict per position)
 
     @property
     def finished(self) -> bool:
@@ -72,6 +74,8 @@ class OutputProcessor:
                               params.stop if sampling else None, [])
         if sampling:
             state.completions = [self._new_completion(i, state.stops) for i in range(params.n)]
+            if params.prompt_logprobs is not None:
+                state.prompt_logprobs_k, state.prompt_logprobs = params.prompt_logprobs, [None]
         self._requests[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
@@ -89,6 +93,8 @@ class OutputProcessor:
                 continue
             state.arrival_time, state.first_token_time = out.arrival_time, out.first_token_time
             state.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._prompt_position(*p) for p in out.new_prompt_logprobs)
             if not state.completions:  # beam search: its final beams, whole
                 state.completions = [self._new_completion(d.index, None) for d in out.completions]
             for delta in out.completions:
@@ -104,6 +110,18 @@ class OutputProcessor:
             if finished:
                 del self._requests[out.request_id]
         return ProcessedOutputs(outputs, stopped)
+
+    def _prompt_position(self, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """vLLM's shape of one prompt position: the prompt's token first, then the top-k."""
+        position = {token: Logprob(logprob, rank, self._decode_token(token))}
+        for j, (top_id, top_logprob) in enumerate(top):
+            if top_id not in position:
+                position[top_id] = Logprob(top_logprob, j + 1, self._decode_token(top_id))
+        return position
+
+    def _decode_token(self, token: int) -> str | None:
+        """A token's own text, special tokens included (they are part of the prompt)."""
+        return self._detokenizer.tokenizer.decode([token]) if self._detokenizer is not None else None
 
     @staticmethod
     def _update(state: _RequestState, c: _Completion, delta: CompletionDelta, now: float) -> str | None:
@@ -136,5 +154,6 @@ class OutputProcessor:
         finished = state.finished
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time,
                    "finish_time": max(c.finish_time for c in state.completions) if finished else None}
+        # prompt logprobs are complete with the request's first output (they arrive before its first token)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, metrics,
-                             num_cached_tokens=state.num_cached_tokens)
+                             num_cached_tokens=state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)

@@ -34,6 +34,13 @@ class BatchInputs(NamedTuple):
     copy_src: np.ndarray  # i32[C] copy-on-write sources, padded with 0
     copy_dst: np.ndarray  # i32[C]
     want_top: np.ndarray  # i32[1]: 1 if a row wants top-K logprobs (API logprobs > 0, beam candidates)
+    # i32[T]: at a token whose sequence asked for prompt logprobs and whose next token is a
+    # prompt token, that token (the runner scores it from this token's logits); else -1
+    prompt_targets: np.ndarray
+    # i32[S, ceil(vocab / 32)]: each row's allowed next tokens, bit t % 32 of word t // 32 (all ones for
+    # rows without a structured-output constraint); read only when use_mask[0] is 1
+    token_bitmask: np.ndarray
+    use_mask: np.ndarray  # i32[1]
 
 
 def pick_bucket(buckets, n: int) -> int:
@@ -66,12 +73,18 @@ def all_batch_shapes(seq_buckets, token_buckets) -> list[tuple[int, int]]:
 
 
 def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables: HostBlockTables, *,
-                  block_size: int, num_blocks: int, seq_buckets, token_buckets, max_copies: int) -> BatchInputs:
-    """The step's padded arrays; applies the step's block-table updates to `tables`."""
+                  block_size: int, num_blocks: int, seq_buckets, token_buckets, max_copies: int,
+                  token_bitmask: np.ndarray | None = None, mask_words: int = 1) -> BatchInputs:
+    """The step's padded arrays; applies the step's block-table updates to `tables`.
+    `token_bitmask`: i32[chunks, mask_words], the allowed tokens of each chunk's row (from
+    the structured-output constraints), or None when no row has one."""
     chunks = output.chunks
     num_seqs, num_tokens = len(chunks), output.num_batched_tokens
     S, T = batch_shape(seq_buckets, token_buckets, num_seqs, num_tokens)
-    b = empty_batch(S, T, tables.width, max_copies, pad_slot=num_blocks * block_size)
+    b = empty_batch(S, T, tables.width, max_copies, pad_slot=num_blocks * block_size, mask_words=mask_words)
+    if token_bitmask is not None:
+        b.token_bitmask[:num_seqs] = token_bitmask
+        b.use_mask[0] = 1
     tables.drop_departed(output)
     cursor = 0
     for row, chunk in enumerate(chunks):
@@ -98,6 +111,9 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
         if sp.logprobs:
             b.want_top[0] = 1
         b.sample_index[row] = len(seq.output_token_ids)
+        if sp.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
+            scored = min(n, seq.num_prompt_tokens - 1 - start)  # positions start .. start + scored - 1
+            b.prompt_targets[cursor - n:cursor - n + scored] = seq.prompt_token_ids[start + 1:start + 1 + scored]
     b.query_start_loc[num_seqs + 1:] = cursor
     if len(output.block_copies) > max_copies:
         raise ValueError(f"{len(output.block_copies)} block copies exceed the per-step limit {max_copies}")
@@ -106,7 +122,7 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
     return b
 
 
-def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int) -> BatchInputs:
+def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int, mask_words: int = 1) -> BatchInputs:
     """An all-padding batch: writes nothing, reads only the null block (also warm-up's input)."""
     return BatchInputs(
         token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
@@ -115,4 +131,6 @@ def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int) -> Batch
         logits_indices=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
         top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
         seeds=np.zeros(S, np.uint32), sample_index=np.zeros(S, np.int32),
-        copy_src=np.zeros(copies, np.int32), copy_dst=np.zeros(copies, np.int32), want_top=np.zeros(1, np.int32))
+        copy_src=np.zeros(copies, np.int32), copy_dst=np.zeros(copies, np.int32), want_top=np.zeros(1, np.int32),
+        prompt_targets=np.full(T, -1, np.int32), token_bitmask=np.full((S, mask_words), -1, np.int32),
+        use_mask=np.zeros(1, np.int32))

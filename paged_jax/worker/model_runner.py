@@ -51,14 +51,19 @@ from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.block_tables import HostBlockTables
-from paged_jax.worker.step_head import StepResult, greedy_head, sampled_head
+from paged_jax.worker.step_head import (PromptLogprobRows, StepResult, greedy_head, greedy_head_masked,
+                                        prompt_logprob_head, sampled_head, sampled_head_masked)
 
 SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
+PROMPT_LOGPROB_ROWS = 64  # prompt positions scored per call of the prompt-logprob head (one compiled shape)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
-                 num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder):
+                 num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder,
+                 structured_outputs: bool = False):
+        """`structured_outputs`: also compile the heads that sample under a token bitmask
+        (what the engine asks for when it can compile grammars: it has a tokenizer)."""
         if config.attention_backend not in ("native", "pallas", "xla", "reference"):
             raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
         if config.layer_loop not in ("unroll", "scan"):
@@ -86,6 +91,13 @@ class ModelRunner:
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
         self.max_copies = config.max_num_seqs
         self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
+        self.structured_outputs = structured_outputs
+        # Host work (the structured-output bitmask) overlaps the dispatched model step only off
+        # CPU: on a CPU the step's XLA threads already use every core, and overlapping made
+        # the step slower (`python -m experiments.structured_outputs_overhead`, one-off: +19%
+        # overlapped against +11% before the step, 32 rows of SmolLM2 on 2 cores)
+        self.overlap_host_work = jax.default_backend() != "cpu"
+        self.mask_words = -(-model_config.vocab_size // 32)  # i32 words of a row's token bitmask
         if config.kv_cache_dtype == "auto":
             raise ValueError("resolve kv_cache_dtype before building the runner")
         dtype = jnp.dtype(config.kv_cache_dtype)
@@ -115,7 +127,13 @@ class ModelRunner:
         head_shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh),
                                                    "out_shardings": tp.replicated(mesh)}
         self._greedy_head = jax.jit(self._greedy_head_impl, **head_shardings)
+        prompt_shardings = {} if mesh is None else {
+            "in_shardings": (step_shardings["in_shardings"][0], tp.replicated(mesh), tp.replicated(mesh),
+                             tp.replicated(mesh)), "out_shardings": tp.replicated(mesh)}
+        self._prompt_head = jax.jit(self._prompt_head_impl, **prompt_shardings)
         self._sampled_head = jax.jit(self._sampled_head_impl, **head_shardings)
+        self._greedy_head_masked = jax.jit(self._greedy_head_masked_impl, **head_shardings)
+        self._sampled_head_masked = jax.jit(self._sampled_head_masked_impl, **head_shardings)
         self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **swap_shardings)
         self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,), **swap_shardings)
         self._gather_blocks = jax.jit(self._gather_blocks_impl)
@@ -179,7 +197,22 @@ class ModelRunner:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
-        return logits, kv_cache
+        return logits, kv_cache, hidden  # hidden: every token's, for prompt logprobs (`_prompt_logprobs`)
+
+    def _prompt_head_impl(self, params, packed_head, hidden, targets):
+        """Prompt logprobs of PROMPT_LOGPROB_ROWS rows of final hidden states: the step's
+        logits computation (`_step_impl`), then `prompt_logprob_head`. A call of its own,
+        run only in steps with such rows, so no other step holds [tokens, vocab] logits."""
+        self.num_compilations += 1
+        model = nnx.merge(self.graphdef, restack_layers(params) if self.unroll_layers else params)
+        if packed_head is not None:
+            from cpu_kernels.amx_matmul import amx_matmul
+            logits = amx_matmul(hidden, packed_head)
+        else:
+            logits = model.compute_logits(hidden)
+        if self.mesh is not None:
+            logits = tp.gather_logits(logits, self.model_config.vocab_size, self.mesh)
+        return prompt_logprob_head(logits, targets, k=self.num_top_logprobs)
 
     def _greedy_head_impl(self, logits, want_top):
         self.num_compilations += 1
@@ -188,6 +221,14 @@ class ModelRunner:
     def _sampled_head_impl(self, logits, *sampling):
         self.num_compilations += 1
         return sampled_head(logits, *sampling, k=self.num_top_logprobs)
+
+    def _greedy_head_masked_impl(self, logits, bitmask, want_top):
+        self.num_compilations += 1
+        return greedy_head_masked(logits, bitmask, want_top, k=self.num_top_logprobs)
+
+    def _sampled_head_masked_impl(self, logits, bitmask, *sampling):
+        self.num_compilations += 1
+        return sampled_head_masked(logits, bitmask, *sampling, k=self.num_top_logprobs)
 
     def _logits_buffer(self, batch: BatchInputs) -> jax.Array:
         """A [rows, vocab] f32 buffer for the step to write its logits into: the previous
@@ -207,9 +248,14 @@ class ModelRunner:
     def _head(self, logits, batch: BatchInputs) -> StepResult:
         """Tokens, logprobs and top-K from the step's logits (`paged_jax/worker/step_head.py`
         says why this is a call of its own): the sampler only when a row samples."""
+        sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
+                    batch.want_top)
+        if batch.use_mask[0]:  # a row is under a structured-output constraint
+            if batch.temperature.any():
+                return self._sampled_head_masked(logits, batch.token_bitmask, *sampling)
+            return self._greedy_head_masked(logits, batch.token_bitmask, batch.want_top)
         if batch.temperature.any():
-            return self._sampled_head(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                                      batch.seeds, batch.sample_index, batch.want_top)
+            return self._sampled_head(logits, *sampling)
         return self._greedy_head(logits, batch.want_top)
 
     @staticmethod
@@ -227,13 +273,20 @@ class ModelRunner:
         heads_compiled = set()
         for num_seqs, num_tokens in self.batch_shapes():
             batch = self.empty_batch(num_seqs, num_tokens)
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables, self.packed_head,
-                                               self._logits_buffer(batch))
+            logits, self.kv_cache, _ = self._step(self.params, self.kv_cache, batch, self.rope_tables,
+                                                  self.packed_head, self._logits_buffer(batch))
             jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
-            if num_seqs not in heads_compiled:  # the sampler too, once per row bucket
+            if num_seqs not in heads_compiled:  # the sampler too, once per row bucket (and both under a mask)
                 heads_compiled.add(num_seqs)
-                jax.block_until_ready(self._head(logits, batch._replace(temperature=np.ones_like(batch.temperature))))
+                sampled = batch._replace(temperature=np.ones_like(batch.temperature))
+                jax.block_until_ready(self._head(logits, sampled))
+                if self.structured_outputs:
+                    for b in (batch, sampled):
+                        jax.block_until_ready(self._head(logits, b._replace(use_mask=np.ones(1, np.int32))))
             self._logits_buffers[num_seqs] = logits
+        hidden = np.zeros((PROMPT_LOGPROB_ROWS, self.model_config.hidden_size), np.float32)
+        jax.block_until_ready(self._prompt_head(self.params, self.packed_head, hidden,
+                                                np.zeros(PROMPT_LOGPROB_ROWS, np.int32)))
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
         if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
@@ -248,34 +301,69 @@ class ModelRunner:
     def empty_batch(self, num_seqs: int, num_tokens: int) -> BatchInputs:
         """An all-padding batch of one bucket (warm-up's input; multi-host broadcast templates)."""
         return empty_batch(num_seqs, num_tokens, self.max_blocks_per_seq, self.max_copies,
-                           self.num_blocks * self.config.block_size)
+                           self.num_blocks * self.config.block_size, mask_words=self.mask_words)
 
-    def execute(self, output: SchedulerOutput, seqs: Mapping[int, Sequence]) -> StepResult:
-        """Run one scheduled step; returns what it sampled, one row per chunk."""
+    def execute(self, output: SchedulerOutput, seqs: Mapping[int, Sequence],
+                token_bitmask: np.ndarray | Callable[[], np.ndarray] | None = None) -> StepResult:
+        """Run one scheduled step; returns what it sampled, one row per chunk. `token_bitmask`
+        (i32[chunks, ceil(vocab / 32)]): the tokens each row may sample (structured outputs),
+        or a function that computes it: off CPU called while the model step runs (it is
+        dispatched asynchronously; only the head needs the mask), so the matchers' host
+        work overlaps the device's, as vLLM overlaps them (`overlap_host_work`)."""
+        if token_bitmask is not None and not self.structured_outputs:
+            raise ValueError("this runner was built without structured_outputs=True: its masked heads are not compiled")
+        late = token_bitmask if callable(token_bitmask) and self.on_step is None and self.overlap_host_work else None
+        if callable(token_bitmask) and late is None:  # now: multi-host followers need it in the broadcast batch
+            token_bitmask = token_bitmask()
         if output.swap_out:
             self._do_swap_out(output.swap_out)
         if output.swap_in:
             self._do_swap_in(output.swap_in)
         batch = prepare_batch(output, seqs, self.block_tables, block_size=self.config.block_size,
                               num_blocks=self.num_blocks, seq_buckets=self.config.seq_buckets,
-                              token_buckets=self.config.token_buckets, max_copies=self.max_copies)
+                              token_buckets=self.config.token_buckets, max_copies=self.max_copies,
+                              token_bitmask=None if late else token_bitmask, mask_words=self.mask_words)
         n = len(output.chunks)
-        return StepResult(*(a[:n] for a in self.run_batch(batch)))
+        result = self.run_batch(batch) if late is None else self.run_batch(batch, late_bitmask=late)
+        return StepResult(*(a[:n] for a in result[:4]), prompt=result.prompt)
 
-    def run_batch(self, batch: BatchInputs) -> StepResult:
+    def run_batch(self, batch: BatchInputs, late_bitmask: Callable[[], np.ndarray] | None = None) -> StepResult:
         """Run the jitted step on a prepared batch (multi-host followers call this with the
-        leader's batch); returns every padded row, as numpy."""
+        leader's batch); returns every padded row, as numpy. `late_bitmask`: the rows' token
+        bitmask, computed once the model step is dispatched (`execute`)."""
         if self.on_step is not None:
             self.on_step(batch)
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
-        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, self.rope_tables, self.packed_head,
-                                               self._logits_buffer(batch))
-        result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)))
+        logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, batch, self.rope_tables,
+                                                   self.packed_head, self._logits_buffer(batch))
+        if late_bitmask is not None:  # host work while the model step runs
+            rows = late_bitmask()
+            mask = np.full_like(batch.token_bitmask, -1)
+            mask[: len(rows)] = rows
+            batch = batch._replace(token_bitmask=mask, use_mask=np.ones(1, np.int32))
+        result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)[:4]))
+        if (batch.prompt_targets >= 0).any():
+            result = result._replace(prompt=self._prompt_logprobs(hidden, batch))
         self._logits_buffers[logits.shape[0]] = logits
         self.device_seconds += time.perf_counter() - start
         return result
+
+    def _prompt_logprobs(self, hidden, batch: BatchInputs) -> PromptLogprobRows:
+        """Score the batch's prompt positions (`BatchInputs.prompt_targets`) from the step's
+        hidden states, PROMPT_LOGPROB_ROWS at a time (the last call padded)."""
+        flat = np.flatnonzero(batch.prompt_targets >= 0).astype(np.int32)
+        hidden = np.asarray(hidden)
+        parts = []
+        for i in range(0, len(flat), PROMPT_LOGPROB_ROWS):
+            rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            rows[: len(flat[i:i + PROMPT_LOGPROB_ROWS])] = flat[i:i + PROMPT_LOGPROB_ROWS]
+            out = self._prompt_head(self.params, self.packed_head, hidden[rows], batch.prompt_targets[rows].clip(0))
+            parts.append([np.asarray(a)[: len(flat[i:i + PROMPT_LOGPROB_ROWS])] for a in out])
+        logprobs, ranks, top_logprobs, top_ids = (np.concatenate(a) for a in zip(*parts))
+        rows = np.searchsorted(batch.query_start_loc, flat, side="right").astype(np.int32) - 1
+        return PromptLogprobRows(rows, batch.positions[flat], logprobs, ranks, top_ids, top_logprobs)
 
     def _do_swap_out(self, pairs) -> None:
         """Device blocks -> host blocks, SWAP_CHUNK at a time (one compiled shape)."""

@@ -34,6 +34,7 @@ class StepResult(NamedTuple):
     logprobs: np.ndarray  # f32[rows]: its log-probability
     top_ids: np.ndarray  # i32[rows, K]: the K most likely next tokens, best first
     top_logprobs: np.ndarray  # f32[rows, K]: their log-probabilities
+    prompt: "PromptLogprobRows | None" = None  # steps with prompt positions that asked for logprobs
 
 
 def _result(logits, tokens, want_top, k: int) -> StepResult:
@@ -53,6 +54,31 @@ def _result(logits, tokens, want_top, k: int) -> StepResult:
     return StepResult(tokens, logprobs, top_ids, top_logprobs)
 
 
+def allowed(bitmask, vocab_size: int):
+    """i32[rows, ceil(V / 32)] bitmask -> bool[rows, V]: token t is allowed where bit t % 32 of
+    word t // 32 is set (llguidance's and xgrammar's layout)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def greedy_head_masked(logits, bitmask, want_top, *, k: int) -> StepResult:
+    """greedy_head over the allowed tokens only (structured outputs); the logprobs stay
+    those of the model's own distribution, as vLLM returns them."""
+    logits = logits.astype(jnp.float32)
+    tokens = jnp.argmax(jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf), axis=-1)
+    return _result(logits, tokens.astype(jnp.int32), want_top, k)
+
+
+def sampled_head_masked(logits, bitmask, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *,
+                        k: int) -> StepResult:
+    """sampled_head drawing from the allowed tokens only (the filters and the draw see the rest as -inf)."""
+    logits = logits.astype(jnp.float32)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
+    masked = jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf)
+    tokens = sample_tokens(masked, temperature, top_k, top_p, min_p, keys)
+    return _result(logits, tokens, want_top, k)
+
+
 def greedy_head(logits, want_top, *, k: int) -> StepResult:
     """Every row greedy (temperature 0 or padding): the argmax."""
     logits = logits.astype(jnp.float32)
@@ -66,3 +92,27 @@ def sampled_head(logits, temperature, top_k, top_p, min_p, seeds, sample_index, 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
     tokens = sample_tokens(logits, temperature, top_k, top_p, min_p, keys)
     return _result(logits, tokens, want_top, k)
+
+
+class PromptLogprobRows(NamedTuple):
+    """Prompt logprobs of a step's prompt positions (rows of the flat token axis whose next
+    token is a prompt token of a sequence that asked), in flat token order."""
+
+    rows: np.ndarray  # i32[P]: the chunk (batch row) each position belongs to
+    positions: np.ndarray  # i32[P]: the position p whose logits score prompt token p + 1
+    logprobs: np.ndarray  # f32[P]: log p(prompt[p + 1] | prompt[:p + 1])
+    ranks: np.ndarray  # i32[P]: 1 + how many tokens the model found more likely there
+    top_ids: np.ndarray  # i32[P, K]: the K most likely tokens there, best first
+    top_logprobs: np.ndarray  # f32[P, K]
+
+
+def prompt_logprob_head(logits, targets, *, k: int):
+    """f32[R, V] logits and i32[R] next prompt tokens -> (their logprob, rank, top-K
+    logprobs, top-K ids). Ranks count strictly greater logits (vLLM's rank: ties share the
+    better rank)."""
+    logits = logits.astype(jnp.float32)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, targets[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logits > target_logits, axis=-1, dtype=jnp.int32)
+    values, ids = jax.lax.top_k(logits, k)
+    return target_logits[:, 0] - log_norm, ranks, values - log_norm[:, None], ids

@@ -65,3 +65,26 @@ def test_a_prompt_that_is_not_valid_unicode_is_refused(llm):
     assert not llm.engine.has_unfinished_requests()
     [out] = llm.generate(["fine"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_prompt_logprobs_equal_the_reference(llm, smollm2):
+    """A prompt longer than the 64-token budget (so its prefill is chunked), scored twice: the
+    second time its blocks are cached, which a prompt-logprobs request must not take."""
+    import numpy as np
+
+    tok = smollm2.tokenizer
+    text = " ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog. " * 6
+    ids = tok.encode(text)
+    assert len(ids) > 64
+    logits = np.asarray(reference.prompt_logits(smollm2.params, smollm2.config, [ids])[0], np.float64)
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    for _ in range(2):
+        [out] = llm.generate([text], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+        assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
+        for i in range(1, len(ids)):
+            position = out.prompt_logprobs[i]
+            assert position[ids[i]].logprob == pytest.approx(expected[i - 1, ids[i]], abs=1e-4)
+            assert position[ids[i]].decoded_token == tok.decode([ids[i]])
+            best = np.argsort(-expected[i - 1])[:2].tolist()
+            assert set(position) == {ids[i], *best}
