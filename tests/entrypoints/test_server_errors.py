@@ -65,7 +65,12 @@ BAD_BODIES = [  # (path, raw body or dict, words the message must contain, param
     ("/v1/completions", _completion(max_tokens=0), "max_tokens", "max_tokens"),
     ("/v1/completions", _completion(seed=-1), "seed", "seed"),
     ("/v1/completions", _completion(stop=[""]), "stop", "stop"),
-    ("/v1/completions", _completion(echo=True), "echo", "echo"),
+    ("/v1/completions", _completion(prompt_logprobs=1000), "prompt_logprobs", "prompt_logprobs"),
+    ("/v1/completions", _completion(prompt_logprobs=-1), "prompt_logprobs", "prompt_logprobs"),
+    ("/v1/completions", _completion(priority=1), "scheduling_policy", "priority"),  # the server runs fcfs
+    ("/v1/chat/completions", _chat(priority=-2), "scheduling_policy", "priority"),
+    ("/v1/completions", _completion(priority="high"), "priority", "priority"),
+    ("/v1/chat/completions", _chat(prompt_logprobs=1000), "prompt_logprobs", "prompt_logprobs"),
     ("/v1/completions", _completion(best_of=3), "best_of", "best_of"),
     ("/v1/completions", _completion(suffix="x"), "suffix", "suffix"),
     ("/v1/completions", _completion(logit_bias={"5": 1}), "logit_bias", "logit_bias"),
@@ -83,7 +88,23 @@ BAD_BODIES = [  # (path, raw body or dict, words the message must contain, param
      "messages"),
     ("/v1/chat/completions", _chat(top_logprobs=1), "needs logprobs", "top_logprobs"),
     ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), "tools", "tools"),
-    ("/v1/chat/completions", _chat(response_format={"type": "json_object"}), "response_format", "response_format"),
+    ("/v1/chat/completions", _chat(response_format={"type": "xml"}), "response_format", "response_format"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "schema",
+     "response_format"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5,
+                                                                        "maximum": 1}}, "required": ["a"]}}}),
+     "invalid structured_outputs.json", "response_format"),  # llguidance: an empty integer range
+    ("/v1/completions", _completion(structured_outputs={"regex": "(unclosed"}), "invalid structured_outputs.regex",
+     "structured_outputs"),
+    ("/v1/completions", _completion(structured_outputs={"grammar": "root ::= ("}), "invalid structured_outputs",
+     "structured_outputs"),
+    ("/v1/completions", _completion(structured_outputs={"choice": []}), "choice", "structured_outputs"),
+    ("/v1/completions", _completion(structured_outputs={"regex": "a", "choice": ["b"]}), "exactly one",
+     "structured_outputs"),
+    ("/v1/completions", _completion(structured_outputs={"xml": "<a/>"}), "unknown", "structured_outputs"),
+    ("/v1/completions", _completion(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+     "not both", "response_format"),
     ("/v1/chat/completions", _chat(temperature=-0.5), "temperature", "temperature"),
     # the first fuzzing pass: each of these reached the engine step or a 500 before
     ("/v1/completions", _completion(top_k=2**31), "top_k", "top_k"),  # OverflowError in the i32 batch

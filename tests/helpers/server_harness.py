@@ -129,6 +129,10 @@ def start_live_server() -> LiveServer:
     requests.update({f"chat-{i}": ({"prompt_token_ids": chat_ids(loaded.tokenizer, m)}, greedy)
                      for i, m in enumerate(CHAT_MESSAGES)})
     requests["stop"] = (STOP_PROMPT, SamplingParams(temperature=0, max_tokens=16, stop=STOPS))
+    # echo / prompt logprobs: the prompt's logprobs with the top 3 (the echo tests compare with these)
+    requests.update({f"prompt-logprobs-{i}": (p, SamplingParams(temperature=0, max_tokens=16, logprobs=3,
+                                                                  prompt_logprobs=3))
+                     for i, p in enumerate(COMPLETION_PROMPTS[:2])})
     requests.update({f"load-{i}": (p, SamplingParams(temperature=0, max_tokens=m))
                      for i, (p, m) in enumerate(load_prompts())})
     offline = run_offline(engine, requests)

@@ -54,6 +54,7 @@ from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from paged_jax.entrypoints.openai.request_stream import RequestStream
 from paged_jax.entrypoints.openai.responses import ResponseBuilder
+from paged_jax.entrypoints.openai.tokenize_routes import register_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -223,37 +224,51 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
-        rm.check_completion(body, logprobs_limit)
+        rm.check_completion(body, logprobs_limit, engine.config.scheduling_policy)
         check_model(body.model)
-        params = rm.sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=max_model_len,
-                                    logprobs=body.logprobs)
+        max_tokens, prompt_logprobs = rm.completion_echo(body)
+        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len,
+                                    logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
         prompts = rm.completion_prompts(body)
+        await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params)
+        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params, body.priority)
                  for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
-                                  logprobs=body.logprobs, return_token_ids=body.return_token_ids)
+                                  logprobs=body.logprobs, return_token_ids=body.return_token_ids, echo=body.echo,
+                                  echo_only=body.echo and body.max_tokens == 0,
+                                  prompt_texts=[q if isinstance(q, str) else None for q in prompts],
+                                  prompt_logprobs=body.prompt_logprobs is not None)
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
-        rm.check_chat(body, logprobs_limit)
+        rm.check_chat(body, logprobs_limit, engine.config.scheduling_policy)
         check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs)
-        prompt_ids = await tokenize(rm.chat_prompt_ids, rm.chat_messages(body), engine.tokenizer)
+        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs,
+                                    prompt_logprobs=body.prompt_logprobs)
+        messages = rm.chat_messages(body)
+        await tokenize(rm.check_structured_outputs, body, params, engine)
+        prompt_ids = await tokenize(rm.chat_prompt_ids, messages, engine.tokenizer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params)]
+        group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params,
+                               body.priority)]
         builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[group[0].request_id], n=params.n, tokenizer=engine.tokenizer,
-                                  logprobs=logprobs, return_token_ids=body.return_token_ids)
+                                  logprobs=logprobs, return_token_ids=body.return_token_ids, echo=body.echo,
+                                  prompt_texts=[rm.chat_echo_text(messages)],
+                                  prompt_logprobs=body.prompt_logprobs is not None)
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
+
+    register_tokenize_routes(app, engine, api_key=settings.api_key, parse_body=parse_body, check_model=check_model,
+                             run_tokenizer=tokenize)  # /tokenize, /detokenize
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -76,6 +76,7 @@ class EngineRequest:
     request_id: str
     prompt: Any  # whatever LLMEngine.add_request takes; the server sends {"prompt_token_ids": [...][, "cache_salt": s]}
     params: SamplingParams
+    priority: int = 0  # lower runs earlier (scheduling_policy="priority"; must be 0 under "fcfs")
 
 
 class EngineLoop:
@@ -260,7 +261,8 @@ class EngineLoop:
         done = []
         try:
             for r, prompt in requests:
-                self.core.add_request(r.request_id, prompt.token_ids, r.params, cache_salt=prompt.cache_salt)
+                self.core.add_request(r.request_id, prompt.token_ids, r.params, cache_salt=prompt.cache_salt,
+                                      priority=r.priority)
                 done.append(r.request_id)
         except Exception as exc:  # ValueError: bad input (a 400); anything else: reported as is
             for request_id in done:  # all or nothing

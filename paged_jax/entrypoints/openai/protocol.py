@@ -3,15 +3,20 @@
 Requests are validated strictly (a string where a number belongs is a 400, never a
 silent coercion). Unknown fields are ignored so that clients which send extra
 OpenAI arguments keep working, but the known arguments this engine cannot honour
-(`echo`, `suffix`, `best_of`, penalties, `logit_bias`, tools, `response_format`) are
+(`suffix`, `best_of`, penalties, `logit_bias`, tools) are
 declared here and refused with a 400 when set to anything but their neutral value
 (`request_mapping.py`), so nothing a client asks for is quietly dropped.
 
-vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `return_token_ids` and
-`cache_salt` are accepted too. `cache_salt` isolates a tenant's prefix cache: requests
-with different salts (or one with and one without) never share cached KV blocks, so a
-request cannot learn from its time to first token whether another tenant sent the same
-prefix. It must be a non-empty string or null (an empty salt is a 400, as in vLLM).
+vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
+`prompt_logprobs`, `priority`, chat `echo` and `cache_salt` are accepted too. Completions'
+`echo` puts the prompt before the completion (its tokens' logprobs too, when `logprobs` is
+set), and `max_tokens: 0` with it scores the prompt without generating: what
+lm-evaluation-harness's loglikelihood requests send. `response_format` (JSON mode, a JSON
+schema) and vLLM's `structured_outputs` constrain the output
+(request_mapping.structured_outputs). `cache_salt` isolates a tenant's prefix cache:
+requests with different salts (or one with and one without) never share cached KV blocks,
+so a request cannot learn from its time to first token whether another tenant sent the
+same prefix. It must be a non-empty string or null (an empty salt is a 400, as in vLLM).
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
     return_token_ids: bool = False  # vLLM extension: choices (and chunks) carry the generated token ids
     cache_salt: str | None = None  # vLLM extension: prefix-cache blocks are shared only with the same salt
+    # vLLM extension: each prompt token's logprob and the top k there (the response's `prompt_logprobs`)
+    prompt_logprobs: int | None = None
+    priority: int = 0  # vLLM extension: lower runs earlier, with --scheduling_policy priority (else only 0)
+    # constrained output: OpenAI's {"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema":
+    # ..., "strict": ...}} ({"type": "text"}: none), or vLLM's `structured_outputs` ({"json" | "regex" |
+    # "choice" | "grammar" | "json_object": ...}); at most one of the two
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused
@@ -79,7 +92,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # None: up to max_model_len
     logprobs: bool = False
     top_logprobs: int | None = None  # as CompletionRequest.logprobs
-    response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM extension: a last assistant message's content starts the reply's content
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -98,9 +111,15 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None  # per token, the top alternatives (when logprobs >= 1)
+    token_logprobs: list[float | None]  # with echo, None for the first prompt token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None] | None  # per token, the top alternatives (when logprobs >= 1)
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):  # vLLM's Logprob, in `prompt_logprobs` keyed by token id
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -109,6 +128,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omit_if_none()  # with return_token_ids (in a chunk: the new ones)
+    prompt_token_ids: list[int] | None = _omit_if_none()  # with return_token_ids and echo (vLLM's)
+    # with prompt_logprobs: per prompt token, None first, then {token id: PromptLogprob}
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omit_if_none()
 
 
 class CompletionResponse(BaseModel):  # also each streamed chunk
@@ -154,6 +176,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omit_if_none()  # vLLM's, when asked
 
 
 class ChatDelta(BaseModel):

@@ -17,6 +17,7 @@ import dataclasses
 
 from paged_jax.core.outputs import CompletionOutput
 from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.structured_outputs import KINDS, StructuredOutputsParams
 from paged_jax.entrypoints.openai.errors import bad_request
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -38,7 +39,8 @@ def _logprobs_message(name: str, value: int, limit: int) -> str:
     return f"{name}={value} is more than this server returns: {name} must be in [0, {limit}] (or null)"
 
 
-def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+def check_common(req: CompletionRequest | ChatCompletionRequest, logprobs_limit: int,
+                 scheduling_policy: str = "fcfs") -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -50,12 +52,18 @@ def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string (or null)", "cache_salt")
+    if req.priority != 0 and scheduling_policy != "priority":  # vLLM's rule and message
+        raise bad_request(f"priority={req.priority} requires the server's --scheduling_policy priority "
+                          f"(it runs {scheduling_policy!r})", "priority")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= logprobs_limit:
+        raise bad_request(_logprobs_message("prompt_logprobs", req.prompt_logprobs, logprobs_limit), "prompt_logprobs")
 
 
-def check_completion(req: CompletionRequest, logprobs_limit: int) -> None:
-    check_common(req)
-    if req.echo:
-        raise bad_request("echo is not supported by this server", "echo")
+def check_completion(req: CompletionRequest, logprobs_limit: int, scheduling_policy: str = "fcfs") -> None:
+    check_common(req, logprobs_limit, scheduling_policy)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 only with echo: true, which returns the prompt alone)",
+                          "max_tokens")
     if req.suffix is not None:
         raise bad_request("suffix is not supported by this server", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -65,18 +73,25 @@ def check_completion(req: CompletionRequest, logprobs_limit: int) -> None:
         raise bad_request(_logprobs_message("logprobs", req.logprobs, logprobs_limit), "logprobs")
 
 
-def check_chat(req: ChatCompletionRequest, logprobs_limit: int) -> None:
-    check_common(req)
+def check_chat(req: ChatCompletionRequest, logprobs_limit: int, scheduling_policy: str = "fcfs") -> None:
+    check_common(req, logprobs_limit, scheduling_policy)
     if req.tools or req.tool_choice not in (None, "none"):
         raise bad_request("tools and tool_choice are not supported by this server", "tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than {'type': 'text'} is not supported by this server",
-                          "response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= logprobs_limit:
             raise bad_request(_logprobs_message("top_logprobs", req.top_logprobs, logprobs_limit), "top_logprobs")
+
+
+def completion_echo(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(max_tokens, prompt_logprobs) for the engine, as vLLM maps echo: `max_tokens: 0`
+    runs one token that the response leaves out (the engine generates at least one), and
+    echo with `logprobs: k` asks for the prompt's logprobs with k alternatives."""
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    return (1 if req.echo and req.max_tokens == 0 else req.max_tokens), prompt_logprobs
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -137,6 +152,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
+def chat_echo_text(messages: list[dict]) -> str:
+    """What chat `echo` puts before the reply (vLLM's rule): the last message's content when
+    that message is the assistant's (the reply continues it), else nothing."""
+    return messages[-1]["content"] if messages and messages[-1]["role"] == "assistant" else ""
+
+
 def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so chat is unavailable; use /v1/completions with "
@@ -149,8 +170,56 @@ def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
     return [int(t) for t in ids]
 
 
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint: OpenAI's `response_format` or vLLM's
+    `structured_outputs` (not both); a malformed one is a 400 naming the field. Whether the
+    schema or grammar itself is valid is llguidance's to say (`check_structured_outputs`)."""
+    if req.response_format is not None and req.structured_outputs is not None:
+        raise bad_request("give response_format or structured_outputs, not both", "response_format")
+    if req.structured_outputs is not None:
+        fields = {k: v for k, v in req.structured_outputs.items() if v is not None}
+        unknown = set(fields) - set(KINDS) - {"disable_any_whitespace"}
+        if unknown:
+            raise bad_request(f"structured_outputs: unknown or unsupported fields {sorted(unknown)}; this server "
+                              f"takes one of {', '.join(KINDS)} (and disable_any_whitespace)", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**fields)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), "structured_outputs") from exc
+    fmt = req.response_format
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                              "response_format")
+        return StructuredOutputsParams(json=schema)  # strict or not, the schema is enforced (as vLLM)
+    raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                      f"{fmt.get('type')!r}", "response_format")
+
+
+def check_structured_outputs(req: CompletionRequest | ChatCompletionRequest, params: SamplingParams, engine) -> None:
+    """Compile the constraint's grammar for the engine's tokenizer (a 400 with llguidance's
+    message when invalid; cached for the engine thread); blocking, so the app runs it on
+    its tokenizer thread."""
+    if params.structured_outputs is None:
+        return
+    param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+    manager = getattr(getattr(engine, "core", None), "structured_outputs", None)
+    if manager is None:
+        raise bad_request("structured outputs need a model with a tokenizer (and llguidance installed)", param)
+    try:
+        manager.check(params.structured_outputs)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from exc
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, default_max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request; its ValueError becomes a 400 naming the field.
     `max_tokens` None means `default_max_tokens` (the engine still stops at max_model_len)."""
     stop = req.stop
@@ -167,7 +236,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             stop=tuple(stop) if stop else None,
             stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs(req))
     except (ValueError, TypeError) as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

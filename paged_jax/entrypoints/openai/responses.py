@@ -18,12 +18,14 @@ import time
 
 from paged_jax.core.outputs import CompletionOutput, RequestOutput
 from paged_jax.entrypoints.openai import protocol as p
+from paged_jax.entrypoints.openai.prompt_echo import echo_logprobs, join_logprobs, prompt_logprobs_body, text_length
 from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
 
 
-def usage(outputs: list[RequestOutput]) -> p.UsageInfo:
+def usage(outputs: list[RequestOutput], *, generated: bool = True) -> p.UsageInfo:
+    """Token counts; `generated=False` (echo with max_tokens 0): the engine's one token is not returned."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -77,9 +79,14 @@ class ResponseBuilder:
     """Builds one HTTP request's response, whole or as chunks."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, engine_ids: list[str], n: int, tokenizer,
-                 logprobs: int | None, return_token_ids: bool = False):
+                 logprobs: int | None, return_token_ids: bool = False, echo: bool = False, echo_only: bool = False,
+                 prompt_texts: list[str | None] | None = None, prompt_logprobs: bool = False):
         """The engine's texts already hold back a possible stop string's start, so each chunk
-        sends what is new in them."""
+        sends what is new in them. `echo`: each choice starts with its prompt's text
+        (`prompt_texts[prompt index]`, or its ids decoded where None; chat: the text to put
+        before the reply, the same for every choice), and completions' logprobs with the
+        prompt's; `echo_only` (max_tokens 0): the prompt alone, the engine's one token left
+        out. `prompt_logprobs`: add vLLM's `prompt_logprobs` field."""
         self.chat, self.request_id, self.model, self.n = chat, request_id, model, n
         self.created = int(time.time())
         self._prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
@@ -90,6 +97,10 @@ class ResponseBuilder:
         self._num_sent_tokens: dict[int, int] = {}
         self._token_text_len: dict[int, int] = {}  # per choice: text length of its tokens sent so far
         self._finished: set[int] = set()
+        self.echo, self.echo_only, self.prompt_logprobs = echo, echo_only, prompt_logprobs
+        self._prompt_texts = prompt_texts or [None] * len(engine_ids)
+        self._tokenizer = tokenizer
+        self._echo_sent: set[int] = set()  # streams: choices whose prompt part (or chat echo) went out
 
     def index(self, request_id: str, completion: CompletionOutput) -> int:
         return self._prompt_index[request_id] * self.n + completion.index
@@ -105,21 +116,57 @@ class ResponseBuilder:
         return completion_logprobs(self._token_text, ids, lps, tops, self.logprobs, offset)
 
     def _ids(self, completion: CompletionOutput, start: int) -> list[int] | None:
-        return list(completion.token_ids[start:]) if self.return_token_ids else None
+        if not self.return_token_ids:
+            return None
+        return [] if self.echo_only else list(completion.token_ids[start:])
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        text = self._prompt_texts[self._prompt_index[out.request_id]]
+        if text is None:
+            text = self._tokenizer.decode(out.prompt_token_ids) if self._tokenizer is not None else ""
+        return text
+
+    def _completion_choice(self, out: RequestOutput, c: CompletionOutput, i: int, *, start: int, text: str,
+                           offset: int, first: bool) -> p.CompletionChoice:
+        """Completion tokens from `start` (their text `text`, logprob offsets from `offset`);
+        a choice's `first` part (a whole response, or a stream's first chunk) also carries
+        the prompt: with echo its text and logprobs before the completion's, with
+        prompt_logprobs vLLM's field."""
+        skip = self.echo_only or 0 < start >= len(c.token_ids)  # echo_only, or a stream's prompt-only chunk
+        lps = None if skip else self._logprobs(c, start, offset)
+        extra = {}
+        if first and self.echo:
+            if self.logprobs is not None:
+                lps = join_logprobs(echo_logprobs(self._token_text, out, self.logprobs), lps)
+            text = self._prompt_text(out) + text
+            if self.return_token_ids:
+                extra["prompt_token_ids"] = list(out.prompt_token_ids)
+        if first and self.prompt_logprobs:
+            extra["prompt_logprobs"] = prompt_logprobs_body(out)
+        return p.CompletionChoice(index=i, text=text, logprobs=lps,
+                                  finish_reason="length" if self.echo_only else c.finish_reason,
+                                  token_ids=self._ids(c, start), **extra)
+
+    def _echo_offset(self, out: RequestOutput) -> int:
+        """Where the completion's token offsets start: after the prompt's, with echo."""
+        return text_length(self._token_text, out.prompt_token_ids) if self.echo else 0
 
     # ---- whole responses ---------------------------------------------------------------
     def response(self, outputs: list[RequestOutput]):
-        pairs = sorted(((self.index(o.request_id, c), c) for o in outputs for c in o.outputs), key=lambda x: x[0])
+        triples = sorted(((self.index(o.request_id, c), o, c) for o in outputs for c in o.outputs),
+                         key=lambda x: x[0])
         if self.chat:
-            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text),
+            prefix = (self._prompt_texts[0] or "") if self.echo else ""
+            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=prefix + c.text),
                                     logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason,
-                                    token_ids=self._ids(c, 0)) for i, c in pairs]
+                                    token_ids=self._ids(c, 0)) for i, _, c in triples]
+            extra = {"prompt_logprobs": prompt_logprobs_body(outputs[0])} if self.prompt_logprobs else {}
             return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                            choices=choices, usage=usage(outputs))
-        choices = [p.CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(c, 0),
-                                      finish_reason=c.finish_reason, token_ids=self._ids(c, 0)) for i, c in pairs]
+                                            choices=choices, usage=usage(outputs), **extra)
+        choices = [self._completion_choice(o, c, i, start=0, text="" if self.echo_only else c.text,
+                                           offset=self._echo_offset(o), first=True) for i, o, c in triples]
         return p.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                    usage=usage(outputs))
+                                    usage=usage(outputs, generated=not self.echo_only))
 
     # ---- streaming -------------------------------------------------------------------
     def _chunk(self, choices, usage_info=None) -> str:
@@ -145,15 +192,23 @@ class ResponseBuilder:
             i = self.index(out.request_id, c)
             if i in self._finished:
                 continue
+            if not self.chat and (self.echo or self.prompt_logprobs) and i not in self._echo_sent:
+                self._echo_sent.add(i)
+                result.append(self._chunk([self._first_completion_chunk(out, c, i)]))
+                if self.echo_only:
+                    continue
             text = self._trackers.setdefault(i, TextDeltaTracker()).delta(c.text)
             start = self._num_sent_tokens.get(i, 0)
             new_tokens = len(c.token_ids) > start
-            offset = self._token_text_len.get(i, 0)
+            offset = self._token_text_len.get(i, self._echo_offset(out))
             lps = self._logprobs(c, start, offset) if new_tokens else None
             ids = self._ids(c, start) if new_tokens else None
             self._num_sent_tokens[i] = len(c.token_ids)
             if lps is not None and not self.chat:
                 self._token_text_len[i] = offset + sum(len(self._token_text(t)) for t in c.token_ids[start:])
+            if self.chat and self.echo and i not in self._echo_sent:  # the reply starts with the echoed text
+                self._echo_sent.add(i)
+                text = (self._prompt_texts[0] or "") + text
             if not (text or c.finished or lps is not None or ids is not None):
                 continue
             if c.finished:
@@ -167,5 +222,14 @@ class ResponseBuilder:
             result.append(self._chunk([choice]))
         return result
 
+    def _first_completion_chunk(self, out: RequestOutput, c: CompletionOutput, i: int) -> p.CompletionChoice:
+        """A completion stream's first chunk of a choice with echo or prompt_logprobs: the
+        prompt part alone (echo_only: the whole choice, finished)."""
+        choice = self._completion_choice(out, c, i, start=len(c.token_ids), text="", offset=0, first=True)
+        if self.echo_only:
+            self._finished.add(i)
+            return choice
+        return choice.model_copy(update={"finish_reason": None, "token_ids": [] if self.return_token_ids else None})
+
     def usage_chunk(self, outputs: list[RequestOutput]) -> str:
-        return self._chunk([], usage(outputs))
+        return self._chunk([], usage(outputs, generated=not self.echo_only))
