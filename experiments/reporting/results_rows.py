@@ -391,19 +391,22 @@ def generic(record: dict) -> list:
 from experiments.reporting.peer_rows import (bf16_agreement, peer_hf, peer_vllm, roofline,  # noqa: E402
                                              trace_step_breakdown, weight_layout)
 
+from experiments.reporting import eval_rows  # noqa: E402  (lm_eval_run's row)
+
 # experiments module -> builder, in the table's order
 BUILDERS = {
     "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": bench_kernel,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
-    "roofline": roofline, "bf16_agreement": bf16_agreement,
+    "roofline": roofline, "bf16_agreement": bf16_agreement, "lm_eval_run": eval_rows.lm_eval_run,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
+    "structured_outputs_overhead": eval_rows.structured_outputs_overhead,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
-NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving"}
+NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run"}
 # modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
 NEEDS_VLLM_VENV = {"peer_vllm"}
