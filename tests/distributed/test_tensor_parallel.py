@@ -102,7 +102,8 @@ def _footprint(llm) -> dict:
                 runner.params) for k in [k[-1].key]},
             "compilations_after_generate": runner.num_compilations,
             # what warm-up compiles: a step per bucket, and the greedy and sampled heads per row bucket
-            "warm_up_programs": len(runner.batch_shapes()) + 2 * len(runner.config.seq_buckets)}
+            # per shape a step; per row bucket the greedy and the sampled head; one prompt-logprob head
+            "warm_up_programs": len(runner.batch_shapes()) + 2 * len(runner.config.seq_buckets) + 1}
 
 
 def _config(preset):
@@ -369,7 +370,7 @@ def test_tiny_shardings_and_memory_per_device():
     for tp in (2, 4):
         assert fp[str(tp)]["kv"] * tp == fp["1"]["kv"]
         assert fp[str(tp)]["params"] == (fp["1"]["params"] - replicated) // tp + replicated
-        assert fp[str(tp)]["warm_up_programs"] == 4  # two buckets of one row count: 2 steps + 2 heads
+        assert fp[str(tp)]["warm_up_programs"] == 5  # two buckets of one row count: 2 steps + 2 heads + prompt head
         assert fp[str(tp)]["compilations_after_generate"] == fp[str(tp)]["warm_up_programs"]  # none after warm-up
 
 
