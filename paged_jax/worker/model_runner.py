@@ -97,7 +97,8 @@ class ModelRunner:
         # the step slower (`python -m experiments.structured_outputs_overhead`, one-off: +19%
         # overlapped against +11% before the step, 32 rows of SmolLM2 on 2 cores)
         self.overlap_host_work = jax.default_backend() != "cpu"
-        self.mask_words = -(-model_config.vocab_size // 32)  # i32 words of a row's token bitmask
+        # i32 words of a row's token bitmask; 1 (an unread placeholder) without structured outputs
+        self.mask_words = -(-model_config.vocab_size // 32) if structured_outputs else 1
         if config.kv_cache_dtype == "auto":
             raise ValueError("resolve kv_cache_dtype before building the runner")
         dtype = jnp.dtype(config.kv_cache_dtype)
@@ -273,7 +274,7 @@ class ModelRunner:
         heads_compiled = set()
         for num_seqs, num_tokens in self.batch_shapes():
             batch = self.empty_batch(num_seqs, num_tokens)
-            logits, self.kv_cache, _ = self._step(self.params, self.kv_cache, batch, self.rope_tables,
+            logits, self.kv_cache, _ = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
                                                   self.packed_head, self._logits_buffer(batch))
             jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
             if num_seqs not in heads_compiled:  # the sampler too, once per row bucket (and both under a mask)
@@ -336,7 +337,7 @@ class ModelRunner:
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
-        logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, batch, self.rope_tables,
+        logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
                                                    self.packed_head, self._logits_buffer(batch))
         if late_bitmask is not None:  # host work while the model step runs
             rows = late_bitmask()
@@ -393,6 +394,12 @@ class ModelRunner:
         if self.mesh is not None:  # each device receives only its heads of the blocks
             k, v = (tp.place(a, tp.cache_sharding(self.mesh)) for a in (k, v))
         self.kv_cache = self._swap_in(self.kv_cache, dst, k, v)
+
+
+def _step_inputs(batch: BatchInputs) -> BatchInputs:
+    """The batch without the fields only the heads read (the token bitmask, prompt targets):
+    the model step would otherwise receive (copy) them every step for nothing."""
+    return batch._replace(token_bitmask=None, use_mask=None, prompt_targets=None)
 
 
 def _chunks(pairs):
