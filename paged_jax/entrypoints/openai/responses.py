@@ -200,7 +200,7 @@ class ResponseBuilder:
             text = self._trackers.setdefault(i, TextDeltaTracker()).delta(c.text)
             start = self._num_sent_tokens.get(i, 0)
             new_tokens = len(c.token_ids) > start
-            offset = self._token_text_len.get(i, self._echo_offset(out))
+            offset = self._token_text_len[i] if i in self._token_text_len else self._echo_offset(out)
             lps = self._logprobs(c, start, offset) if new_tokens else None
             ids = self._ids(c, start) if new_tokens else None
             self._num_sent_tokens[i] = len(c.token_ids)
