@@ -27,7 +27,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
     stop_reason: int | str | None = None  # the stop token id or string that ended it
-    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs
+    # sum of the chosen tokens' logprobs (None unless logprobs were asked for, as in vLLM)
+    cumulative_logprob: float | None = None
     # Per position, the `SamplingParams.logprobs` most likely (token id, logprob), best first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty

@@ -148,7 +148,7 @@ class OutputProcessor:
         completions = [CompletionOutput(
             index=c.index, text=c.text.shown, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
             logprobs=list(c.logprobs) if asked else None, stop_reason=c.stop_reason,
-            cumulative_logprob=c.cumulative_logprob,
+            cumulative_logprob=c.cumulative_logprob if asked or c.score is not None else None,
             top_logprobs=list(c.top_logprobs) if asked and state.logprobs else None, score=c.score)
             for c in state.completions]
         finished = state.finished

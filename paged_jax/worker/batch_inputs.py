@@ -33,7 +33,9 @@ class BatchInputs(NamedTuple):
     sample_index: np.ndarray  # i32[S]: index of the token being sampled (keys fold it in)
     copy_src: np.ndarray  # i32[C] copy-on-write sources, padded with 0
     copy_dst: np.ndarray  # i32[C]
-    want_top: np.ndarray  # i32[1]: 1 if a row wants top-K logprobs (API logprobs > 0, beam candidates)
+    # i32[1]: 2 if a row wants top-K logprobs (API logprobs > 0, beam candidates), 1 if one wants
+    # only its token's logprob (logprobs=0), 0 if none does (the head then skips the logsumexp)
+    want_top: np.ndarray
     # i32[T]: at a token whose sequence asked for prompt logprobs and whose next token is a
     # prompt token, that token (the runner scores it from this token's logits); else -1
     prompt_targets: np.ndarray
@@ -109,7 +111,9 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
         b.temperature[row], b.top_k[row], b.top_p[row], b.min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         b.seeds[row] = seq.seed
         if sp.logprobs:
-            b.want_top[0] = 1
+            b.want_top[0] = 2
+        elif sp.logprobs is not None:
+            b.want_top[0] = max(b.want_top[0], 1)
         b.sample_index[row] = len(seq.output_token_ids)
         if sp.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
             scored = min(n, seq.num_prompt_tokens - 1 - start)  # positions start .. start + scored - 1

@@ -38,9 +38,13 @@ class StepResult(NamedTuple):
 
 
 def _result(logits, tokens, want_top, k: int) -> StepResult:
-    """Logprob of each row's token (log_softmax without materializing it) and, when a row
-    asked (`want_top[0] > 0`), the top-K of the raw distribution."""
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    """Logprob of each row's token (log_softmax without materializing it) when a row asked
+    for logprobs (`want_top[0] >= 1`; else the token's raw logit, which nobody reads: the
+    logsumexp over the vocabulary was 1.7 ms of a 32-row SmolLM2 step's 4.9 ms greedy head,
+    a one-off measurement) and, when a row asked for alternatives (`want_top[0] == 2`), the
+    top-K of the raw distribution."""
+    log_norm = jax.lax.cond(want_top[0] > 0, lambda: jax.nn.logsumexp(logits, axis=-1),
+                            lambda: jnp.zeros(logits.shape[0], jnp.float32))
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
 
     def top():
@@ -50,7 +54,7 @@ def _result(logits, tokens, want_top, k: int) -> StepResult:
     def no_top():
         return jnp.zeros((logits.shape[0], k), jnp.float32), jnp.zeros((logits.shape[0], k), jnp.int32)
 
-    top_logprobs, top_ids = jax.lax.cond(want_top[0] > 0, top, no_top)
+    top_logprobs, top_ids = jax.lax.cond(want_top[0] > 1, top, no_top)
     return StepResult(tokens, logprobs, top_ids, top_logprobs)
 
 
@@ -65,8 +69,8 @@ def greedy_head_masked(logits, bitmask, want_top, *, k: int) -> StepResult:
     """greedy_head over the allowed tokens only (structured outputs); the logprobs stay
     those of the model's own distribution, as vLLM returns them."""
     logits = logits.astype(jnp.float32)
-    tokens = jnp.argmax(jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf), axis=-1)
-    return _result(logits, tokens.astype(jnp.int32), want_top, k)
+    tokens = first_max(jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf))
+    return _result(logits, tokens, want_top, k)
 
 
 def sampled_head_masked(logits, bitmask, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *,
@@ -79,10 +83,19 @@ def sampled_head_masked(logits, bitmask, temperature, top_k, top_p, min_p, seeds
     return _result(logits, tokens, want_top, k)
 
 
+def first_max(logits):
+    """jnp.argmax over the last axis (the first index of the maximum), as two plain
+    reductions (max, then the least index holding it): XLA's CPU argmax, one variadic
+    reduction, took 3.3 ms for 32 rows of a 49k vocabulary against 1.6 ms (one-off)."""
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(logits == best, index, logits.shape[-1]), axis=-1)
+
+
 def greedy_head(logits, want_top, *, k: int) -> StepResult:
     """Every row greedy (temperature 0 or padding): the argmax."""
     logits = logits.astype(jnp.float32)
-    return _result(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), want_top, k)
+    return _result(logits, first_max(logits), want_top, k)
 
 
 def sampled_head(logits, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *, k: int) -> StepResult:
