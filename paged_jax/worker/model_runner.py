@@ -51,11 +51,11 @@ from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.block_tables import HostBlockTables
-from paged_jax.worker.step_head import (PromptLogprobRows, StepResult, greedy_head, greedy_head_masked,
-                                        prompt_logprob_head, sampled_head, sampled_head_masked)
+from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
+from paged_jax.worker.step_head import (StepResult, greedy_head, greedy_head_masked, prompt_logprob_head, sampled_head,
+                                        sampled_head_masked)
 
 SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
-PROMPT_LOGPROB_ROWS = 64  # prompt positions scored per call of the prompt-logprob head (one compiled shape)
 
 
 class ModelRunner:
@@ -198,7 +198,7 @@ class ModelRunner:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
-        return logits, kv_cache, hidden  # hidden: every token's, for prompt logprobs (`_prompt_logprobs`)
+        return logits, kv_cache, hidden  # hidden: every token's, for prompt logprobs (prompt_scoring.py)
 
     def _prompt_head_impl(self, params, packed_head, hidden, targets):
         """Prompt logprobs of PROMPT_LOGPROB_ROWS rows of final hidden states: the step's
@@ -346,25 +346,11 @@ class ModelRunner:
             batch = batch._replace(token_bitmask=mask, use_mask=np.ones(1, np.int32))
         result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)[:4]))
         if (batch.prompt_targets >= 0).any():
-            result = result._replace(prompt=self._prompt_logprobs(hidden, batch))
+            head = functools.partial(self._prompt_head, self.params, self.packed_head)
+            result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
         self._logits_buffers[logits.shape[0]] = logits
         self.device_seconds += time.perf_counter() - start
         return result
-
-    def _prompt_logprobs(self, hidden, batch: BatchInputs) -> PromptLogprobRows:
-        """Score the batch's prompt positions (`BatchInputs.prompt_targets`) from the step's
-        hidden states, PROMPT_LOGPROB_ROWS at a time (the last call padded)."""
-        flat = np.flatnonzero(batch.prompt_targets >= 0).astype(np.int32)
-        hidden = np.asarray(hidden)
-        parts = []
-        for i in range(0, len(flat), PROMPT_LOGPROB_ROWS):
-            rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            rows[: len(flat[i:i + PROMPT_LOGPROB_ROWS])] = flat[i:i + PROMPT_LOGPROB_ROWS]
-            out = self._prompt_head(self.params, self.packed_head, hidden[rows], batch.prompt_targets[rows].clip(0))
-            parts.append([np.asarray(a)[: len(flat[i:i + PROMPT_LOGPROB_ROWS])] for a in out])
-        logprobs, ranks, top_logprobs, top_ids = (np.concatenate(a) for a in zip(*parts))
-        rows = np.searchsorted(batch.query_start_loc, flat, side="right").astype(np.int32) - 1
-        return PromptLogprobRows(rows, batch.positions[flat], logprobs, ranks, top_ids, top_logprobs)
 
     def _do_swap_out(self, pairs) -> None:
         """Device blocks -> host blocks, SWAP_CHUNK at a time (one compiled shape)."""
