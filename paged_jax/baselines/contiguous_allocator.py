@@ -130,6 +130,10 @@ class ContiguousAllocator:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    @property
+    def num_seqs_held(self) -> int:
+        return len(self._runs)
+
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._runs
 

@@ -14,6 +14,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "xla", "reference")
 LAYER_LOOPS = ("auto", "unroll", "scan")
+POOL_CHECKS = ("off", "idle", "step")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
 
@@ -71,6 +72,9 @@ class EngineConfig:
     # > 1: shard attention heads, MLP and KV cache over a mesh of this many devices
     # (paged_jax/distributed/tensor_parallel.py); the KV budget (kv_cache_memory_bytes) is then per device
     tensor_parallel_size: int = 1  # devices in the tensor-parallel mesh axis; must divide num_heads and num_kv_heads
+    # the KV pool's self-check (engine/pool_check.py): a leaked block, table or request is reported (an error
+    # log, stats num_pool_check_failures, a metric), never served on silently
+    pool_check: str = "idle"  # "idle": counts whenever the engine falls idle | "step": full walk after every step | "off"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -95,6 +99,8 @@ class EngineConfig:
             object.__setattr__(self, "enable_prefix_caching", False)  # contiguous baselines share nothing
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.pool_check not in POOL_CHECKS:
+            raise ValueError(f"pool_check must be one of {POOL_CHECKS}, got {self.pool_check!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
         if self.dtype not in ("float32", "bfloat16"):

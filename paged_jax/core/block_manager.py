@@ -93,6 +93,10 @@ class BlockManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
+    @property
+    def num_seqs_held(self) -> int:  # sequences with a block table (device or swapped)
+        return len(self._tables)
+
     def is_swapped(self, seq_id: int) -> bool:
         self._require(seq_id)
         return seq_id in self._swapped
@@ -299,9 +303,8 @@ class BlockManager:
             self._salts[child_id] = self._salts[parent_id]
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references (device or host side) and forget it. Blocks go to
-        the free queue last block first: tail blocks, the least likely to be shared as a
-        prefix, are reused first."""
+        """Drop the sequence's references (device or host side) and forget it. Blocks go to the free queue
+        last block first: tail blocks, the least likely to be shared as a prefix, are reused first."""
         table = self._require(seq_id)
         pool = self._host if seq_id in self._swapped else self._device
         pool.free_blocks(reversed(table))
@@ -338,18 +341,17 @@ class BlockManager:
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move a swapped group back to device blocks; return `(host_id, device_id)` orders.
 
-        The inverse of `swap_out` (a group that shared no block with outsiders gets its
-        device ref counts back equal). Raises ValueError, changing nothing, if fewer device
-        blocks are free than the group's distinct blocks (the watermark is can_swap_in's)."""
+        The inverse of `swap_out` (a group that shared no block with outsiders gets its device ref counts
+        back equal). Raises ValueError, changing nothing, if fewer device blocks are free than the group's
+        distinct blocks (the watermark is can_swap_in's)."""
         return self._move(seq_ids, src=self._host, dst=self._device, to_host=False)
 
     def _move(self, seq_ids: list[int], *, src: BlockPool, dst: BlockPool, to_host: bool) -> list[tuple[int, int]]:
         group = self._group_blocks(seq_ids, swapped=not to_host)
         if len(group) > dst.num_free_blocks:
             side = "host" if to_host else "device"
-            raise ValueError(
-                f"swapping {len(group)} blocks needs as many free {side} blocks; "
-                f"{dst.num_free_blocks} are free")
+            raise ValueError(f"swapping {len(group)} blocks needs as many free {side} blocks; "
+                             f"{dst.num_free_blocks} are free")
         mapping: dict[int, KVCacheBlock] = {}  # id(old block) -> its copy
         for (block, refs), copy in zip(group, dst.get_new_blocks(len(group))):
             dst.incr_ref([copy] * (refs - 1))  # one reference per table, as before
@@ -365,8 +367,7 @@ class BlockManager:
                 self._swapped.discard(seq_id)
         return [(block.block_id, mapping[id(block)].block_id) for block, _ in group]
 
-    def _group_blocks(self, seq_ids: list[int], *,
-                      swapped: bool) -> list[tuple[KVCacheBlock, int]]:
+    def _group_blocks(self, seq_ids: list[int], *, swapped: bool) -> list[tuple[KVCacheBlock, int]]:
         """Validate a swap group; return its distinct blocks (first-seen order) with the
         number of the group's tables holding each."""
         if len(set(seq_ids)) != len(seq_ids):

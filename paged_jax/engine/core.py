@@ -32,6 +32,7 @@ from paged_jax.core.sequence import Sequence, SequenceStatus
 from paged_jax.engine.beam_orchestration import advance_beams, beam_results
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
+from paged_jax.engine.pool_check import PoolChecker
 from paged_jax.engine.processor import validate_prompt_token_ids
 from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
@@ -99,6 +100,7 @@ class EngineCore:
         self._clock = clock
         self.runner.warm_up()
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
+        self.pool_checker = PoolChecker(config.pool_check)  # leaks reported after steps and aborts
         self._requests: dict[str, _CoreRequest] = {}
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
@@ -193,6 +195,7 @@ class EngineCore:
             self._seqs.pop(seq.seq_id, None)
             if self.structured_outputs is not None:
                 self.structured_outputs.drop(seq.seq_id)
+        self.pool_checker.check(self)
 
     def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
         """End completion `index` of a request as stopped (the front end found stop string
@@ -207,6 +210,7 @@ class EngineCore:
                 self._seqs.pop(seq.seq_id, None)
         if request.finished:
             self._drop(request)
+        self.pool_checker.check(self)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -220,7 +224,7 @@ class EngineCore:
         return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict:
-        return self.stats_tracker.as_dict()
+        return {**self.stats_tracker.as_dict(), "num_pool_check_failures": self.pool_checker.num_failures}
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -273,6 +277,7 @@ class EngineCore:
                 self._drop(request)
         self.stats_tracker.record_step(output, time.perf_counter() - host_start,
                                        self.runner.device_seconds - device_before)
+        self.pool_checker.check(self)
         return outputs
 
     def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:

@@ -80,6 +80,11 @@ class StructuredOutputManager:
         self.mask_words = -(-compiler.vocab_size // 32)
         self._matchers: dict[int, object] = {}  # seq id -> LLMatcher
 
+    @property
+    def num_matchers(self) -> int:
+        """Matchers alive (one per constrained sequence not yet dropped): the pool check's leak count."""
+        return len(self._matchers)
+
     def check(self, params: StructuredOutputsParams) -> None:
         """Compile (and cache) the request's grammar now: an invalid one is refused before it is queued."""
         self.compiler.grammar(*params.spec())

@@ -56,7 +56,9 @@ class _EngineCollector(Collector):
                 ("prefix_cache_query_tokens", "prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
                 ("prefix_cache_hit_tokens", "prefix_cache_hits", "prompt tokens found in the prefix cache"),
                 ("num_preemptions", "num_preemptions", "sequences preempted (recompute or swap)"),
-                ("num_steps", "engine_steps", "engine steps run")):
+                ("num_steps", "engine_steps", "engine steps run"),
+                ("num_pool_check_failures", "kv_pool_check_failures",
+                 "KV pool self-checks that found a leaked block, table or request (engine/pool_check.py)")):
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=s.get(key, 0) or 0)
 
 
