@@ -12,7 +12,6 @@ record whose figures it cannot read (e.g. simulate.json of an unknown schema).
 
 from __future__ import annotations
 
-import itertools
 
 import os
 import statistics
@@ -325,61 +324,6 @@ def tensor_parallel_memory(record: dict) -> list:
              "devices)", value)]
 
 
-def step_profile(record: dict) -> list:
-    """Parts of a decode step by batch size, against the matmul ceiling."""
-    fig = record["figures"]
-    rows = fig["rows"]
-    batches = " / ".join(str(r["num_seqs"]) for r in rows)
-    parts = list(rows[0]["parts_ms"])
-    value = "; ".join(f"{r['num_seqs']}: " + ", ".join(f"{r['parts_ms'][k]:.0f}" for k in parts)
-                      + f" ms (step before {r['tokens_per_s_before']:.0f} / after {r['tokens_per_s_after']:.0f} tok/s"
-                      f", ceiling {r['ceiling_tokens_per_s']:.0f})" for r in rows)
-    return [(f"decode step by part, {_setting(record)}, {rows[0].get('dtype', 'float32')}, context "
-             f"{rows[0]['context_len']}, batch {batches}: " + ", ".join(parts), value)]
-
-
-def step_time_vs_cache_size(record: dict) -> list:
-    """Median decode step time at one batch for several KV pool sizes."""
-    fig = record["figures"]
-    rows = fig["rows"]
-    return [(f"decode step of {fig['num_seqs']} sequences, {_setting(record)}, by KV pool size: "
-             + " / ".join(f"{r['num_blocks']} blocks" for r in rows),
-             " / ".join(f"{r['device_ms_median']:.1f} ms" for r in rows))]
-
-
-def step_shape_costs(record: dict) -> list:
-    """A jitted step per padded shape, and the copy-on-write call on a padded list."""
-    fig = record["figures"]
-    steps = fig["steps"]
-    return [(f"step on padding-only batches, {_setting(record)}, {fig['num_blocks']} blocks, by padded rows "
-             + " / ".join(str(r["rows"]) for r in steps) + f"; block-copy call on {fig['copy_padded_entries']} "
-             "padded entries", " / ".join(f"{r['step_ms']:.0f} ms" for r in steps) + f"; {fig['copy_ms']:.0f} ms")]
-
-
-def host_time_vs_output_len(record: dict) -> list:
-    """Host milliseconds per decode step early and late in long outputs, per output mode
-    (and the engine core's part, where the record has it)."""
-    fig = record["figures"]
-    out = []
-    for runner, final in itertools.product(("model", "host_only"), (False, True)):
-        rows = [r for r in fig["rows"] if r["final_outputs_only"] == final and r.get("runner", "model") == runner]
-        if not rows:
-            continue
-        mode = "final outputs only" if final else "per-step outputs"
-        if runner == "host_only":
-            mode += ", host-only runner (no device step)"
-        core = all("core_host_ms_median_first_64" in r for r in rows)
-        out.append((f"host time per decode step, {fig['num_seqs']} sequences, {mode}, outputs "
-                    + " / ".join(str(r["output_len"]) for r in rows) + " tokens: first 64 -> last 64 steps"
-                    + (" (engine core's part)" if core else ""),
-                    " / ".join(f"{r['host_ms_median_first_64']:.2f} -> {r['host_ms_median_last_64']:.2f} ms "
-                               + (f"({r['core_host_ms_median_first_64']:.2f} -> {r['core_host_ms_median_last_64']:.2f}"
-                                  f" ms) " if core else "")
-                               + (f"(device {r['device_ms_median']:.0f} ms)" if runner == "model" else "")
-                               for r in rows)))
-    return out
-
-
 def generic(record: dict) -> list:
     """A record of a script no builder knows: its name, setting and first scalar figures."""
     fig = record.get("figures") or {}
@@ -392,6 +336,8 @@ from experiments.reporting.peer_rows import (bf16_agreement, peer_hf, peer_vllm,
                                              trace_step_breakdown, weight_layout)
 
 from experiments.reporting import eval_rows  # noqa: E402  (lm_eval_run's row)
+from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
+                                             step_shape_costs, step_time_vs_cache_size)
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
