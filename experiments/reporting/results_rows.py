@@ -12,7 +12,6 @@ record whose figures it cannot read (e.g. simulate.json of an unknown schema).
 
 from __future__ import annotations
 
-
 import os
 import statistics
 import sys
