@@ -78,7 +78,7 @@ class EngineCore:
         matchers of constrained requests (engine/structured_outputs.py; the front end builds
         it from the tokenizer); without it, a request with structured_outputs is refused."""
         self.model_config = model_config
-        self.config = resolve_config(config, model_config)
+        self.config = resolve_config(config, model_config, check_memory=params is not None)  # model-free: no arrays
         config = self.config
         block_bytes = bytes_per_block(model_config, config.block_size, config.kv_cache_dtype)
         num_host_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0

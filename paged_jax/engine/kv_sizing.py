@@ -4,6 +4,13 @@ Settled once when the engine core starts (what was left open in EngineConfig, fr
 model and the platform) and checked per request, so that nothing is accepted that could
 never run to completion: a request whose sequences cannot all be in the cache at once
 would preempt itself forever.
+
+The cache must also fit the machine. A budget larger than the memory free when the
+engine starts (weights already loaded) would otherwise fail late and obscurely: XLA's
+RESOURCE_EXHAUSTED in the middle of the warm-up on an accelerator, and on CPU an
+allocation that succeeds (Linux overcommits) and then swaps or gets the process killed
+by the OOM killer once the cache is touched. So `resolve_config` refuses it before
+anything is allocated, naming the largest budget that would fit.
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ from paged_jax.attention.backend import auto_attention_backend
 from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
 from paged_jax.config.model_config import ModelConfig
 from paged_jax.worker.kv_cache import bytes_per_block
+
+# The share of the memory free at start the KV cache may take: the rest is for the
+# step's activations and logits, the compiled programs and, on CPU, everything else the
+# host runs. The check is for budgets that cannot work, not a tuning of ones that can.
+KV_MEMORY_FRACTION = 0.9
 
 
 def auto_kv_cache_dtype(dtype: str, platform: str, attention_backend: str) -> str:
@@ -30,9 +42,11 @@ def auto_kv_cache_dtype(dtype: str, platform: str, attention_backend: str) -> st
     return dtype
 
 
-def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_memory: bool = True) -> EngineConfig:
     """Fill what was left open from the model and the platform: max_model_len,
-    num_blocks, the attention backend behind "auto" and the KV cache's dtype."""
+    num_blocks, the attention backend behind "auto" and the KV cache's dtype. With
+    `check_memory` (an engine that allocates its cache; not a simulated one), a cache
+    larger than the devices' free memory is a ValueError naming the largest that fits."""
     model_limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
@@ -55,8 +69,73 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     layer_loop = config.layer_loop
     if layer_loop == "auto":  # unrolled on CPU: XLA CPU's fast bf16 dots (decoder.py, unroll_layers)
         layer_loop = "unroll" if platform == "cpu" else "scan"
-    return dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
-                               attention_backend=backend, kv_cache_dtype=kv_dtype, layer_loop=layer_loop)
+    resolved = dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
+                                   attention_backend=backend, kv_cache_dtype=kv_dtype, layer_loop=layer_loop)
+    if check_memory:
+        check_fits_memory(resolved, config, model_config)
+    return resolved
+
+
+def available_memory(devices) -> tuple[int, str] | None:
+    """(bytes free, where that figure comes from) on the least free of `devices`, or None
+    where the platform does not say. CPU: the host's MemAvailable (Linux; what can be
+    allocated without swapping). Accelerators: XLA's allocator limit minus what is in use
+    (the weights, by the time the engine sizes its cache)."""
+    if devices[0].platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "this host (MemAvailable in /proc/meminfo)"
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+    free = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # a backend without memory statistics
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append((int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), device))
+    bytes_free, device = min(free, key=lambda x: x[0])
+    return bytes_free, f"{device} (its allocator's bytes_limit - bytes_in_use)"
+
+
+def check_fits_memory(resolved: EngineConfig, asked: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse a KV cache that exceeds KV_MEMORY_FRACTION of the free memory: per device
+    on accelerators (the budget is per device), all devices' together on CPU."""
+    tp = resolved.tensor_parallel_size
+    devices = jax.local_devices()[:tp]
+    free = available_memory(devices)
+    if free is None:
+        return
+    bytes_free, where = free
+    block_bytes = bytes_per_block(model_config, resolved.block_size, resolved.kv_cache_dtype, tp)
+    shared = len(devices) if devices[0].platform == "cpu" else 1  # CPU "devices" share the host's memory
+    needed = resolved.num_blocks * block_bytes * shared
+    fits_blocks = int(bytes_free * KV_MEMORY_FRACTION) // (block_bytes * shared)
+    if resolved.num_blocks <= fits_blocks:
+        return
+    if asked.num_blocks is not None:
+        source = f"num_blocks={asked.num_blocks}"
+    elif asked.kv_cache_memory_bytes is not None:
+        source = f"kv_cache_memory_bytes={asked.kv_cache_memory_bytes}"
+    else:
+        source = f"the default budget of {_gib(DEFAULT_KV_CACHE_MEMORY_BYTES)}"
+    fix = (f"the largest that fits is kv_cache_memory_bytes={fits_blocks * block_bytes} (num_blocks={fits_blocks})"
+           if fits_blocks >= 2 else "not even the smallest cache (2 blocks) fits: free memory first")
+    raise ValueError(
+        f"the KV cache does not fit in memory: {source} is {resolved.num_blocks} blocks of {resolved.block_size} "
+        f"tokens at {block_bytes} bytes each ({resolved.kv_cache_dtype}) = {_gib(needed)}"
+        f"{f' for {shared} devices' if shared > 1 else ' per device'}, but "
+        f"{where} has {_gib(bytes_free)} free, of which the cache may take {KV_MEMORY_FRACTION:.0%} (the rest is "
+        f"for activations and compiled programs); {fix}")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def check_capacity(config: EngineConfig, bm) -> None:

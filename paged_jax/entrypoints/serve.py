@@ -12,6 +12,11 @@ Ctrl-C (or SIGTERM) shuts down: new requests get 503, running ones get
 --shutdown_timeout seconds, then they are aborted (streams end with an error event) and
 the engine thread stops; the process exits 0.
 
+If the model or the engine cannot be built (a model that does not exist, a truncated or
+corrupt weight file, a KV budget the machine cannot hold), the process prints what is
+wrong, in one paragraph that names the file or setting, and exits with status 2 before
+the port opens; restarting it will not help. `--log_level=debug` adds the traceback.
+
 If the engine fails (an exception in a step), the process exits with status 1 instead
 of serving nothing behind an open port: requests in flight get a 500 in OpenAI's error
 shape (streams: an error event, then [DONE]), new requests and /health get 503 while
@@ -24,6 +29,7 @@ effect on absl's global flags until an entry point asks for them.
 from __future__ import annotations
 
 import sys
+import traceback
 
 from absl import flags
 
@@ -61,6 +67,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 ENGINE_FAILED_STATUS = 1  # the process's exit status after an engine failure
+STARTUP_FAILED_STATUS = 2  # the model or the engine could not be built: bad input, not a transient fault
 
 
 def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -84,7 +91,13 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     multihost.initialize(distributed)  # before anything touches a device
     enable_compilation_cache(f.compilation_cache_dir)
     print(f"loading {f.model} and compiling the engine's buckets ...", file=sys.stderr)
-    engine = LLMEngine(f.model, config)
+    try:
+        engine = LLMEngine(f.model, config)
+    except (ValueError, OSError) as exc:  # every loading and sizing error says what is wrong and where
+        if f.log_level == "debug":
+            traceback.print_exc()
+        print(f"cannot start the server: {exc}", file=sys.stderr)
+        sys.exit(STARTUP_FAILED_STATUS)
     settings = ServerSettings(served_model_name=f.served_model_name or f.model, api_key=f.api_key,
                               max_waiting_requests=f.max_waiting_requests,
                               max_request_body_bytes=f.max_request_body_bytes)

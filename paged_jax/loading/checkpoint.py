@@ -8,6 +8,11 @@ Restoring passes orbax the exact shapes and dtypes (from the config), so nothing
 re-derived and the parameters come back bit-identical, straight onto the default device.
 Zarr v2 restored faster than orbax's zarr3 default on 2 CPU cores
 (experiments/load_times.py records the times).
+
+A checkpoint that was cut short (a copy that ran out of disk, a sync that stopped) fails
+to load with a WeightFileError naming the file or directory and what is wrong, not with
+a JSON error or TensorStore's page-long spec: the marker is read and checked field by
+field, and any failure of orbax's restore is reported as a damaged params/ directory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config.model_config import ModelConfig, RopeScaling
+from paged_jax.loading.errors import WeightFileError, detail
 from paged_jax.model.llama import Params, param_shapes
 
 MARKER = "paged_jax_model.json"
@@ -70,13 +76,7 @@ def load_checkpoint(path: str, *, load_tokenizer: bool = True, shardings=None) -
     path = os.path.abspath(path)
     if not is_checkpoint(path):
         raise ValueError(f"{path} is not a paged_jax checkpoint (no {MARKER})")
-    with open(os.path.join(path, MARKER)) as f:
-        meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format {meta.get('format_version')} is not supported "
-                         f"(this paged_jax reads format {FORMAT_VERSION})")
-    cfg = config_from_dict(meta["config"])
-    dtype = np.dtype(jnp.dtype(meta["dtype"]))
+    cfg, dtype = _read_marker(os.path.join(path, MARKER))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     sharding_of = shardings(cfg) if shardings is not None else (lambda name, shape: device)
     abstract = jax.tree_util.tree_map_with_path(
@@ -84,12 +84,38 @@ def load_checkpoint(path: str, *, load_tokenizer: bool = True, shardings=None) -
         param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     ocp, ckpt = _orbax()
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=dtype), abstract)
-    with ckpt:
-        params = ckpt.restore(os.path.join(path, "params"),
-                              args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+    params_dir = os.path.join(path, "params")
+    if not os.path.isdir(params_dir):
+        raise WeightFileError(path, f"the checkpoint has no params/ directory (its {MARKER} is there): it was "
+                                    "not copied completely")
+    try:
+        with ckpt:
+            params = ckpt.restore(params_dir, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+    except Exception as err:  # orbax and tensorstore raise plain Exception, ValueError, JSON errors, ...
+        raise WeightFileError(params_dir, "orbax could not restore the parameters from it: is a file in it "
+                                          f"truncated, missing or corrupt? ({detail(err)})") from err
     tokenizer = None
     tokenizer_dir = os.path.join(path, "tokenizer")
     if load_tokenizer and os.path.isdir(tokenizer_dir):
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return cfg, params, tokenizer
+
+
+def _read_marker(marker: str) -> tuple[ModelConfig, np.dtype]:
+    """The config and parameter dtype a checkpoint's marker file records."""
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise WeightFileError(marker, f"not valid JSON ({detail(err)}); it is truncated or corrupt") from err
+    if not isinstance(meta, dict):
+        raise WeightFileError(marker, f"expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {meta.get('format_version')} is not supported "
+                         f"(this paged_jax reads format {FORMAT_VERSION})")
+    try:
+        return config_from_dict(meta["config"]), np.dtype(jnp.dtype(meta["dtype"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise WeightFileError(marker, f"does not describe a model ({detail(err)}): it is corrupt, or was "
+                                      "written by another version of paged_jax") from err

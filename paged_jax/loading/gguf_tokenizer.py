@@ -54,7 +54,8 @@ _PRE_TOKENIZERS = {
 
 def _metadata(path: str) -> dict:
     """tokenizer.* metadata (and nothing else) as Python values."""
-    reader = gguf.GGUFReader(path)
+    from paged_jax.loading.gguf_weights import open_gguf  # a truncated file: WeightFileError naming it
+    reader = open_gguf(path)
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 

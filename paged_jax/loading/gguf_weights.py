@@ -14,6 +14,9 @@ Three differences from Hugging Face's layout are undone here:
     (like HF's) rotates i with i + head_dim/2, so we invert that permutation. Qwen2 and
     Qwen3 are converted unpermuted (llama.cpp uses NEOX-style RoPE for them).
   * Per-layer tensors are stacked on a leading `num_layers` axis (see `model.py`).
+
+A truncated or corrupt file is a WeightFileError naming it (loading/errors.py), not the
+numpy reshape or index error gguf's reader raises on a short memory map.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from paged_jax.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from paged_jax.loading.errors import WeightFileError, detail, file_size
 from paged_jax.loading.placement import place_params
 from paged_jax.model.llama import Params, param_shapes
 from paged_jax.model.rope import inverse_frequencies
@@ -54,6 +58,21 @@ _LAYER_TENSORS = {  # names after the "blk.{i}." prefix
 _NON_PARAMETER_TENSORS = ("rope_freqs.weight",)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _REQUIRED = object()
+# What gguf's reader raises on a file that ends early or holds garbage: it parses the
+# header with numpy views of a memory map, so a short file shows up as a short view.
+_READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, EOFError)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """gguf's reader on `path`; a truncated or corrupt file raises WeightFileError
+    naming it (gguf's own errors are numpy reshape and index errors)."""
+    try:
+        return GGUFReader(path)
+    except OSError as err:
+        raise WeightFileError(path, f"the file cannot be read ({detail(err)})") from err
+    except _READER_ERRORS as err:
+        raise WeightFileError(path, f"the GGUF file ({file_size(path)}) is truncated or corrupt: gguf's reader "
+                                    f"failed ({detail(err)})") from err
 
 
 def _f32_value(value: float) -> float:
@@ -162,7 +181,7 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig
     Every expected parameter must be present exactly with the shape the metadata
     implies; an unknown tensor name or a missing one is an error, not silently skipped.
     """
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     cfg = gguf_config(reader)
     sharding_of = shardings(cfg) if shardings is not None else None
     shapes = param_shapes(cfg)
@@ -185,7 +204,10 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig
             raise ValueError(f"unexpected tensor {tensor.name!r} in a {cfg.architecture} GGUF")
         if (name, layer) not in missing:
             raise ValueError(f"tensor {tensor.name!r} is duplicated or outside the {cfg.num_layers} layers")
-        w = _dequantized(tensor)
+        try:
+            w = _dequantized(tensor)
+        except _READER_ERRORS as err:  # its bytes do not make the shape and type the header says
+            raise WeightFileError(path, f"tensor {tensor.name!r} is corrupt: {detail(err)}") from err
         if unpermute and name in ("wq", "bq"):
             w = _unpermute_rows(w, cfg.num_heads)
         elif unpermute and name in ("wk", "bk"):

@@ -12,10 +12,14 @@ unexpected one (a bias the config does not declare, an extra layer) is an error 
 lists them, never silently ignored or zero-filled. Two exceptions, as in transformers:
 rotary `inv_freq` buffers that old checkpoints saved are ignored, and a checkpoint
 without `lm_head.weight` uses the embedding matrix as its output projection.
+
+A truncated or corrupt file (a shard cut off mid-download, a garbled header) is a
+WeightFileError naming that file (loading/errors.py), never safetensors' bare error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,9 +28,10 @@ import sys
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paged_jax.config.model_config import ModelConfig
+from paged_jax.loading.errors import WeightFileError, detail, file_size
 from paged_jax.loading.hf_config import config_from_hf
 from paged_jax.loading.placement import place_params
 from paged_jax.model.llama import Params, param_shapes
@@ -119,7 +124,7 @@ def load_hf_directory(path: str, dtype=jnp.float32, shardings=None) -> tuple[Mod
         if name in shapes:
             params[name] = None
     for file_path, names in _group_by_file({n: available[n] for n in targets}).items():
-        with safe_open(file_path, framework="numpy") as handle:
+        with open_safetensors(file_path) as handle:
             for hf_name in names:
                 target = targets[hf_name]
                 tensor = _read_tensor(handle, file_path, hf_name)
@@ -140,7 +145,11 @@ def _weight_files(path: str) -> list[str]:
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
         with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
+            try:
+                weight_map = json.load(f).get("weight_map")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+                raise WeightFileError(index_path, f"the shard index is not a JSON object ({detail(err)}); it is "
+                                                  "truncated or corrupt") from err
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_path} has no 'weight_map' naming the shard of each tensor")
         files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
@@ -160,12 +169,29 @@ def _tensor_locations(files: list[str]) -> dict[str, str]:
     """Tensor name -> the file holding it, from the files' own headers."""
     locations: dict[str, str] = {}
     for file_path in files:
-        with safe_open(file_path, framework="numpy") as handle:
+        with open_safetensors(file_path) as handle:
             for name in handle.keys():
                 if name in locations:
                     raise ValueError(f"tensor {name} appears in both {locations[name]} and {file_path}")
                 locations[name] = file_path
     return locations
+
+
+@contextlib.contextmanager
+def open_safetensors(file_path: str):
+    """safe_open(file_path) for numpy; a truncated or corrupt file raises WeightFileError
+    naming it. safetensors checks the header when it opens a file (the JSON, and that the
+    tensors' byte ranges exactly cover the rest of the file), so a cut-off download fails
+    here, before any tensor is read."""
+    try:
+        handle = safe_open(file_path, framework="numpy")
+    except OSError as err:
+        raise WeightFileError(file_path, f"the file cannot be read ({detail(err)})") from err
+    except SafetensorError as err:
+        raise WeightFileError(file_path, f"the safetensors file ({file_size(file_path)}) is truncated or corrupt: "
+                                         f"{detail(err)}") from err
+    with handle as opened:
+        yield opened
 
 
 def _group_by_file(locations: dict[str, str]) -> dict[str, list[str]]:
@@ -201,6 +227,8 @@ def _read_tensor(handle, file_path: str, name: str) -> np.ndarray:
         tensor = handle.get_tensor(name)
     except (TypeError, ValueError):
         tensor = None
+    except SafetensorError as err:
+        raise WeightFileError(file_path, f"tensor {name} cannot be read: {detail(err)}") from err
     dtype_code = handle.get_slice(name).get_dtype()
     if dtype_code not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name} in {file_path} has dtype {dtype_code}; supported: "
@@ -219,7 +247,11 @@ def read_raw_tensor(file_path: str, name: str) -> np.ndarray:
     """
     with open(file_path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise WeightFileError(file_path, f"the safetensors header is not valid JSON ({detail(err)}); the file "
+                                             f"({file_size(file_path)}) is truncated or corrupt") from err
         if name not in header:
             raise ValueError(f"tensor {name} is not in {file_path}")
         entry = header[name]
@@ -229,6 +261,9 @@ def read_raw_tensor(file_path: str, name: str) -> np.ndarray:
         begin, end = entry["data_offsets"]
         f.seek(8 + header_len + begin)
         data = f.read(end - begin)
+    if len(data) != end - begin:
+        raise WeightFileError(file_path, f"tensor {name} needs bytes {begin}..{end} after the header, but the file "
+                                         f"({file_size(file_path)}) ends first: it is truncated")
     tensor = np.frombuffer(data, dtype=_FLOAT_DTYPES[entry["dtype"]]).reshape(entry["shape"])
     return tensor if sys.byteorder == "little" else tensor.byteswap()
 
@@ -237,7 +272,7 @@ def _check_tied_head(available: dict[str, str]) -> None:
     """A tied checkpoint that also stores lm_head must store the embedding there."""
     tensors = []
     for name in (_LM_HEAD, _TOP_NAMES["embed"][0]):
-        with safe_open(available[name], framework="numpy") as handle:
+        with open_safetensors(available[name]) as handle:
             tensors.append(_read_tensor(handle, available[name], name))
     head, embed = tensors
     if head.shape != embed.shape or not np.array_equal(head.astype(np.float32), embed.astype(np.float32)):

@@ -11,8 +11,10 @@ token ids out; engine/core.py):
      request, all or none), aborts (blocks freed at once) and finishes (a completion the
      front end found a stop string in);
   3. runs one core step while work exists, and hands each request's EngineCoreOutput to
-     its HTTP request's asyncio.Queue with `loop.call_soon_threadsafe` (asyncio queues
-     are not thread-safe);
+     its HTTP request's RequestStream with `loop.call_soon_threadsafe` (the stream lives
+     on the event loop). Handing over never blocks: a client that stops reading holds
+     back only its own handler, and its stream keeps one merged output per request
+     (request_stream.py), so the engine and every other request go on at full speed;
   4. publishes the core's stats after every iteration, for /metrics and for admission.
 
 Everything with text runs elsewhere: prompts are tokenized on the app's tokenizer thread
@@ -50,7 +52,7 @@ from typing import Any
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.core_outputs import EngineCoreOutput
 from paged_jax.engine.output_processor import OutputProcessor
-from paged_jax.entrypoints.openai.request_stream import ACCEPTED, RequestStream
+from paged_jax.entrypoints.openai.request_stream import ACCEPTED, RequestAborted, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +67,6 @@ class EngineUnavailable(Exception):
 
 class EngineDead(EngineUnavailable):
     """The engine thread failed: this request (in flight or new) cannot be served, ever."""
-
-
-class RequestAborted(Exception):
-    """Delivered to a request that its own HTTP side aborted (the client went away)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,22 +147,21 @@ class EngineLoop:
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Queue a group of engine requests (one HTTP request). Raises QueueFull or
         EngineUnavailable; bad prompts surface from `RequestStream.accepted()`."""
-        queue: asyncio.Queue = asyncio.Queue()
         loop = self._loop
         num_seqs = sum(r.params.n for r in requests)
+        stream = RequestStream(self, [r.request_id for r in requests], self.output_processor)
 
-        def deliver(item, _queue=queue):
+        def deliver(item, _put=stream.put):
             try:
-                loop.call_soon_threadsafe(_queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put, item)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
 
-        stream = RequestStream(self, [r.request_id for r in requests], queue, self.output_processor)
         try:
             prompts = [self.engine.processor.process(r.prompt) for r in requests]
         except ValueError as exc:  # nothing is queued: the handler's accepted() raises it
             prompts = None
-            queue.put_nowait(exc)
+            stream.put(exc)
         with self._cond:
             if self.error is not None:
                 raise EngineDead(_dead_message(self.error))

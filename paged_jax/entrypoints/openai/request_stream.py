@@ -1,14 +1,26 @@
 """The asyncio side of one HTTP request: the engine core's outputs become RequestOutputs.
 
 The engine thread (engine_loop.py) runs only the engine core: token ids in, token ids
-out. Each step's outputs reach a request's RequestStream through its asyncio queue, and
-the stream turns them into RequestOutputs with the server's one OutputProcessor
-(incremental detokenization, stop strings, logprobs) in the handler's own task on the
-event loop, as vLLM's v1 front end does in its API process. So a step's host work does
-not include any request's text, and a long detokenization delays only its own request.
-A stop string found here ends its completion in the core through a `finish` command,
-applied between steps; tokens the core sampled meanwhile are dropped, since the
-completion already ended.
+out. Each step's outputs reach a request's RequestStream on the event loop (`put`, via
+`call_soon_threadsafe`), where the server's one OutputProcessor turns them into
+RequestOutputs at once (incremental detokenization, stop strings, logprobs), as vLLM's
+v1 front end does in its API process: a step's host work never includes any request's
+text. A stop string found here ends its completion in the core through a `finish`
+command, applied between steps; tokens the core sampled meanwhile are dropped, since
+the completion already ended.
+
+The handler takes outputs when it is ready (`next`), which is only as fast as its
+client reads: a client that stops reading fills the socket, the handler blocks in its
+send, and outputs pile up here. They cannot pile up without bound, and the engine is
+never held back: a RequestOutput is cumulative (the whole text and token list so far),
+so a newer output of a request replaces the one the handler has not taken yet, which it
+contains, and each request holds at most one pending output however long its client
+stalls, as vLLM's RequestOutputCollector merges the deltas of a request nobody reads.
+When the client comes back the handler sends everything new in one chunk (responses.py
+sends the difference from what it sent). Processing on arrival also means a stalled
+client's stop string still ends its completion in the core at once, instead of the
+request generating to max_tokens while nobody reads. A client that goes away is aborted
+by the handler's disconnect watcher (app.py); its pending output is dropped then.
 
 Only the event loop thread touches a stream and the OutputProcessor.
 """
@@ -16,45 +28,101 @@ Only the event loop thread touches a stream and the OutputProcessor.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.engine.output_processor import OutputProcessor
 
+logger = logging.getLogger(__name__)
+
 ACCEPTED = "accepted"  # first item of a stream whose adds all succeeded
 
 
-class RequestStream:
-    """One HTTP request's engine requests and their outputs, in step order."""
+class RequestAborted(Exception):
+    """Delivered to a request that its own HTTP side aborted (the client went away)."""
 
-    def __init__(self, owner, request_ids: list[str], queue: asyncio.Queue, processor: OutputProcessor):
-        self._owner, self._queue, self._processor = owner, queue, processor
+
+class RequestStream:
+    """One HTTP request's engine requests and their outputs, each request's in step order."""
+
+    def __init__(self, owner, request_ids: list[str], processor: OutputProcessor):
+        self._owner, self._processor = owner, processor
         self.request_ids = request_ids
-        self.unfinished = set(request_ids)
+        self.unfinished = set(request_ids)  # requests whose final output the handler has not taken
         self.aborted = False  # set by abort(): the outputs stop and the request counts as aborted
+        self.num_received = 0  # engine outputs that arrived (for tests and debugging)
+        self._latest: dict[str, RequestOutput] = {}  # request id -> its newest output not taken yet
+        self._accepted = False
+        # delivered instead of outputs (raised once those before it were taken); once set,
+        # later arrivals are dropped
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+
+    def put(self, item) -> None:
+        """On the event loop: one item from the engine loop, ACCEPTED, an exception (the
+        request ended without finishing) or an EngineCoreOutput, processed at once."""
+        if self._error is not None:
+            return
+        if isinstance(item, str):
+            assert item == ACCEPTED, item
+            self._accepted = True
+        elif isinstance(item, BaseException):
+            self._error = item
+        else:
+            self.num_received += 1
+            self._process(item)
+        self._wakeup.set()
+
+    def _process(self, item) -> None:
+        try:
+            processed = self._processor.process([item])
+        except Exception as exc:  # a bug in detokenizing or stop checking: this request fails, not the loop
+            logger.exception("processing an output of %s failed", item.request_id)
+            self._error = exc
+            self._owner.abort(sorted(self.unfinished))
+            return
+        for request_id, index, stop in processed.stopped:
+            self._owner.finish_sequence(request_id, index, stop)
+        for out in processed.request_outputs:  # none once a stop string ended the request
+            self._latest.pop(out.request_id, None)  # the newer output holds everything the older one did
+            self._latest[out.request_id] = out
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs waiting for the handler: at most one per engine request."""
+        return len(self._latest)
 
     async def accepted(self) -> None:
         """Wait until the engine took every request; re-raises its ValueError on bad input."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while not (self._accepted or self._error is not None):
+            await self._wait()
+        if not self._accepted:
+            error = self._error
             self._forget()  # nothing was queued (a refused group is rolled back)
-            raise item
-        assert item == ACCEPTED, item
+            raise error
 
     async def next(self) -> RequestOutput:
-        """The next RequestOutput of any of the stream's requests; raises what the engine
-        loop delivered instead."""
+        """The newest RequestOutput of one of the stream's requests (the oldest pending one
+        first); raises what the engine loop delivered instead, once the outputs before it
+        were taken."""
         while True:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self._forget()
-                raise item
-            processed = self._processor.process([item])
-            for request_id, index, stop in processed.stopped:
-                self._owner.finish_sequence(request_id, index, stop)
-            for out in processed.request_outputs:  # none once a stop string ended the request
+            if self._latest:
+                request_id = next(iter(self._latest))
+                out = self._latest.pop(request_id)
                 if out.finished:
-                    self.unfinished.discard(out.request_id)
+                    self.unfinished.discard(request_id)
                 return out
+            if self._error is not None:
+                error = self._error
+                self._forget()
+                raise error
+            await self._wait()
+
+    async def _wait(self) -> None:
+        # the caller checked its condition in this same synchronous stretch: no put() can
+        # slip in between that check and the clear (put runs on this thread too)
+        self._wakeup.clear()
+        await self._wakeup.wait()
 
     @property
     def finished(self) -> bool:
@@ -66,8 +134,12 @@ class RequestStream:
             self.aborted = True
             self._owner.abort(sorted(self.unfinished))
             self._forget()
+            if self._error is None:  # a handler waiting in next() (the watcher aborted) wakes up to it
+                self._error = RequestAborted(", ".join(self.request_ids))
+            self._wakeup.set()
 
     def _forget(self) -> None:
         for request_id in self.request_ids:
             self._processor.abort_request(request_id)
         self.unfinished.clear()
+        self._latest.clear()
