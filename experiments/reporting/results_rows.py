@@ -335,6 +335,7 @@ from experiments.reporting.peer_rows import (bf16_agreement, peer_hf, peer_vllm,
                                              trace_step_breakdown, weight_layout)
 
 from experiments.reporting import eval_rows  # noqa: E402  (lm_eval_run's row)
+from experiments.reporting import hardening_rows  # noqa: E402  (the soak's and the fuzz run's rows)
 from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
                                              step_shape_costs, step_time_vs_cache_size)
 
@@ -349,9 +350,9 @@ BUILDERS = {
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
-    "structured_outputs_overhead": eval_rows.structured_outputs_overhead,
+    "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
-NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run"}
+NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak"}
 # modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
 NEEDS_VLLM_VENV = {"peer_vllm"}
