@@ -40,10 +40,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from paged_jax.entrypoints.openai import request_mapping as rm
+from paged_jax.entrypoints.openai import tokenize_routes
 from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
                                                      QueueFull, RequestAborted)
 from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
@@ -51,10 +52,11 @@ from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_d
 from paged_jax.entrypoints.openai.http_guards import HTTPGuards
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
-from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from paged_jax.entrypoints.openai.openapi_docs import body_doc, install_openapi, responses
+from paged_jax.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                   CompletionResponse, HealthStatus, ModelCard, ModelList)
 from paged_jax.entrypoints.openai.request_stream import RequestStream
 from paged_jax.entrypoints.openai.responses import ResponseBuilder
-from paged_jax.entrypoints.openai.tokenize_routes import register_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +223,10 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             raise bad_request(message, param) from exc
 
     # ---- routes --------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    generation_errors = (400, 401, 404, 413, 500, 503)
+
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest),
+              responses=responses(*generation_errors, ok=CompletionResponse, stream=True))
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         rm.check_completion(body, logprobs_limit, engine.config.scheduling_policy)
@@ -244,7 +249,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest),
+              responses=responses(*generation_errors, ok=ChatCompletionResponse, stream=True))
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         rm.check_chat(body, logprobs_limit, engine.config.scheduling_policy)
@@ -267,14 +273,16 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         return await run(request, builder, group, body.stream,
                          bool(body.stream_options and body.stream_options.include_usage))
 
-    register_tokenize_routes(app, engine, api_key=settings.api_key, parse_body=parse_body, check_model=check_model,
-                             run_tokenizer=tokenize)  # /tokenize, /detokenize
+    tokenize_routes.register_tokenize_routes(app, engine, api_key=settings.api_key, parse_body=parse_body,
+                                             check_model=check_model, run_tokenizer=tokenize)  # /tokenize, ...
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(401))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.served_model_name, created=created, max_model_len=max_model_len)])
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus,
+                                                                         "description": "shutting down, or the "
+                                                                                        "engine failed"}})
     async def health():
         """200 while requests are served; 503 while shutting down and once the engine failed."""
         if loop.error is not None:
@@ -284,8 +292,19 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, *tokenize_routes.REQUEST_MODELS],
+                    limits={"served_model": settings.served_model_name, "logprobs": logprobs_limit,
+                            "token_id": _last_token_id(engine),
+                            "priority": getattr(engine.config, "scheduling_policy", "fcfs")},
+                    protected=("/v1", *tokenize_routes.PATHS), api_key=settings.api_key)
     return app
+
+
+def _last_token_id(engine) -> int | None:
+    """The largest token id a prompt may hold (the OpenAPI document's bound), if known."""
+    vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+    return None if vocab_size is None else int(vocab_size) - 1

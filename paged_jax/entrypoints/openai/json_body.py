@@ -8,6 +8,14 @@ surrogates such as `"\\ud800"` or the raw bytes `ed a0 80`, which it decodes wit
 would compare false with every range check, and a surrogate cannot be encoded by the
 tokenizer. A body nested deeper than the interpreter's recursion limit raises
 RecursionError inside the parser; that is refused too, not answered with a 500.
+
+A number written with a fraction or exponent but whole (`2.0`, `1e2`) is parsed as the
+integer it is. JSON has one number type, and JSON Schema's "integer" (what the OpenAPI
+schema says of `n`, `max_tokens`, token ids) matches `2.0`; the request models are
+strict (a string is never coerced to a number), so without this a client that writes
+`"n": 2.0` would get a 400 the schema says it should not (schema fuzzing sends such
+values: experiments/benchmarks/schema_fuzz.py). A float field takes the integer as the
+same float.
 """
 
 from __future__ import annotations
@@ -22,11 +30,11 @@ def _constant(name: str):
     raise ValueError(f"{name} is not a finite number")
 
 
-def _float(text: str) -> float:
+def _float(text: str) -> float | int:
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"the number {text} is out of range (overflows to infinity)")
-    return value
+    return int(value) if value.is_integer() else value
 
 
 def parse_json_body(raw: bytes):

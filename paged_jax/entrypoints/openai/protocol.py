@@ -1,7 +1,9 @@
-"""Request and response bodies of the OpenAI API subset the server speaks, as pydantic models.
+"""Request bodies of the OpenAI API subset the server speaks, as pydantic models (responses:
+protocol_responses.py, re-exported here).
 
 Requests are validated strictly (a string where a number belongs is a 400, never a
-silent coercion). Unknown fields are ignored so that clients which send extra
+silent coercion; a whole number written 2.0 is the integer 2, as JSON means it:
+json_body.py). Unknown fields are ignored so that clients which send extra
 OpenAI arguments keep working, but the known arguments this engine cannot honour
 (`suffix`, `best_of`, penalties, `logit_bias`, tools) are
 declared here and refused with a 400 when set to anything but their neutral value
@@ -17,13 +19,88 @@ schema) and vLLM's `structured_outputs` constrain the output
 requests with different salts (or one with and one without) never share cached KV blocks,
 so a request cannot learn from its time to first token whether another tenant sent the
 same prefix. It must be a non-empty string or null (an empty salt is a 400, as in vLLM).
+
+The OpenAPI schema (GET /openapi.json) is generated from these models, and says what the
+server accepts: types, ranges, enums, which arguments need which (`_if_then`), and that an
+unsupported argument takes only its neutral value. pydantic checks the types only; the
+ranges are checked by request_mapping.py and SamplingParams, whose 400s name the argument
+in their own words (tests/entrypoints/test_server_errors.py), so a bound is put in the
+schema with `WithJsonSchema` (documented, not enforced twice). Bounds that depend on the
+server (the served model's name, the vocabulary, how many logprobs, whether `priority`
+is honoured) are marked with LIMIT and filled in per app by openapi_docs.py. The schema
+is exact in one direction: whatever violates it is refused (schema fuzzing checks this,
+experiments/benchmarks/schema_fuzz.py); a body it allows can still be refused for what a
+schema cannot say (a prompt longer than max_model_len, `best_of` equal to `n`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
+
+from paged_jax.entrypoints.openai.protocol_responses import (  # noqa: F401 (re-exported)
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse, HealthStatus,
+    ModelCard, ModelList, PromptLogprob, TopLogprob, UsageInfo)
+
+LIMIT = "x-server-limit"  # a bound openapi_docs.apply_server_limits fills in: one of SERVER_LIMITS
+SERVER_LIMITS = ("served_model", "token_id", "logprobs", "priority")
+
+
+def _doc(**schema) -> WithJsonSchema:
+    """The JSON schema of a value, for the OpenAPI document only (see the module docstring)."""
+    return WithJsonSchema(schema)
+
+
+TOKEN_ID = {"type": "integer", "minimum": 0, LIMIT: "token_id"}  # maximum: the vocabulary's last id
+Model = Annotated[str, _doc(type="string", **{LIMIT: "served_model"})]
+Logprobs = Annotated[int, _doc(type="integer", minimum=0, **{LIMIT: "logprobs"})]
+StopStrings = Annotated[str | list[str], _doc(anyOf=[
+    {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}}])]
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], _doc(anyOf=[
+    {"type": "string", "minLength": 1, "description": "a text"},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}, "description": "a batch of texts"},
+    {"type": "array", "minItems": 1, "items": TOKEN_ID, "description": "token ids"},
+    {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": TOKEN_ID},
+     "description": "a batch of token-id lists"}])]
+JSON_SCHEMA = {"type": "object", "description": "a JSON schema"}
+ResponseFormat = Annotated[dict[str, Any], _doc(oneOf=[
+    {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "title": "text"},
+    {"type": "object", "properties": {"type": {"const": "json_object"}}, "required": ["type"], "title": "JSON mode"},
+    {"type": "object", "title": "a JSON schema", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "schema": JSON_SCHEMA, "name": {"description": "accepted and unused"},
+            "description": {"description": "accepted and unused"},
+            "strict": {"description": "accepted and unused: the schema is enforced either way (as vLLM)"}}}}}])]
+_KIND_SET = {"json": {"not": {"type": "null"}}, "regex": {"not": {"type": "null"}},
+             "choice": {"not": {"type": "null"}}, "grammar": {"not": {"type": "null"}}, "json_object": {"const": True}}
+StructuredOutputs = Annotated[dict[str, Any], _doc(
+    type="object", description="exactly one constraint: json, json_object, regex, choice or grammar",
+    properties={"json": {"type": ["object", "string", "null"], "description": "a JSON schema, or its JSON text"},
+                "json_object": {"type": ["boolean", "null"], "description": "any JSON object"},
+                "regex": {"type": ["string", "null"], "minLength": 1},
+                "choice": {"type": ["array", "null"], "minItems": 1, "items": {"type": "string"}},
+                "grammar": {"type": ["string", "null"], "minLength": 1, "description": "a Lark grammar"},
+                "disable_any_whitespace": {"type": ["boolean", "null"],
+                                           "description": "JSON without free whitespace (vLLM's flag)"}},
+    additionalProperties={"type": "null"},
+    oneOf=[{"required": [kind], "properties": {kind: schema}} for kind, schema in _KIND_SET.items()])]
+
+
+def _if_then(field: str, value: dict, then_field: str, then_value: dict) -> dict:
+    """JSON Schema for "when `field` is given as `value`, `then_field` must be `then_value`"."""
+    return {"if": {"required": [field], "properties": {field: value}},
+            "then": {"required": [then_field], "properties": {then_field: then_value}}}
+
+
+_OBJECT, _TRUE = {"type": "object"}, {"const": True}
+_COMMON_RULES = [_if_then("stream_options", _OBJECT, "stream", _TRUE),
+                 {"not": {"required": ["response_format", "structured_outputs"],
+                          "properties": {"response_format": _OBJECT, "structured_outputs": _OBJECT}},
+                  "description": "response_format or structured_outputs, not both"}]
 
 
 class _Strict(BaseModel):
@@ -31,48 +108,66 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False  # one last chunk with `usage` and no choices
+    include_usage: bool = Field(False, description="one last chunk with `usage` and no choices")
 
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model: str
-    n: int = 1
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; 0 or -1 = off
-    min_p: float | None = None  # vLLM extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
-    return_token_ids: bool = False  # vLLM extension: choices (and chunks) carry the generated token ids
-    cache_salt: str | None = None  # vLLM extension: prefix-cache blocks are shared only with the same salt
-    # vLLM extension: each prompt token's logprob and the top k there (the response's `prompt_logprobs`)
-    prompt_logprobs: int | None = None
-    priority: int = 0  # vLLM extension: lower runs earlier, with --scheduling_policy priority (else only 0)
-    # constrained output: OpenAI's {"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema":
-    # ..., "strict": ...}} ({"type": "text"}: none), or vLLM's `structured_outputs` ({"json" | "regex" |
-    # "choice" | "grammar" | "json_object": ...}); at most one of the two
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and unused
-    # OpenAI arguments the engine does not implement: refused unless neutral
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    model: Model = Field(description="the served model's name (GET /v1/models); any other is a 404")
+    n: Annotated[int, _doc(type="integer", minimum=1, maximum=128)] = Field(
+        1, description="completions per prompt; prompts x n at most the server's queue bound")
+    temperature: Annotated[float, _doc(type="number", minimum=0, maximum=3.4028234663852886e38)] | None = Field(
+        None, description="0: greedy; null: 1.0, as OpenAI; at most the largest float32 (the engine samples in it)")
+    top_p: Annotated[float, _doc(type="number", exclusiveMinimum=0, maximum=1)] | None = Field(
+        None, description="nucleus mass; null: 1 (off)")
+    top_k: Annotated[int, _doc(type="integer", minimum=-1, maximum=2**31 - 1)] | None = Field(
+        None, description="vLLM extension: the k most likely tokens; 0 or -1: off")
+    min_p: Annotated[float, _doc(type="number", minimum=0, maximum=1)] | None = Field(
+        None, description="vLLM extension: drop tokens below min_p x p(most likely); 0: off")
+    seed: Annotated[int, _doc(type="integer", minimum=0, maximum=2**32 - 1)] | None = Field(
+        None, description="the sample stream depends only on (seed, token index)")
+    stop: StopStrings | None = Field(None, description="stop strings, not included in the text")
+    stop_token_ids: Annotated[list[int], _doc(type="array", items={"type": "integer", "minimum": 0})] | None = Field(
+        None, description="vLLM extension: stop tokens besides EOS")
+    ignore_eos: bool = Field(False, description="vLLM extension: generate exactly max_tokens (benchmarks)")
+    return_token_ids: bool = Field(False, description="vLLM extension: choices (and chunks) carry the generated "
+                                                      "token ids")
+    cache_salt: Annotated[str, _doc(type="string", minLength=1)] | None = Field(
+        None, description="vLLM extension: prefix-cache blocks are shared only between requests with the same salt")
+    prompt_logprobs: Logprobs | None = Field(
+        None, description="vLLM extension: each prompt token's logprob and the top k there (`prompt_logprobs`)")
+    priority: Annotated[int, _doc(type="integer", **{LIMIT: "priority"})] = Field(
+        0, description="vLLM extension: lower runs earlier, with the server's --scheduling_policy priority "
+                       "(else only 0)")
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's constrained output: text (none), JSON mode, or a JSON schema")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's constrained output (instead of response_format)")
+    stream: bool = Field(False, description="server-sent events, ending with `data: [DONE]`")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: str | None = Field(None, description="accepted and unused")
+    presence_penalty: Annotated[float, _doc(type="number", enum=[0])] | None = Field(
+        None, description="not supported: 0 or null only")
+    frequency_penalty: Annotated[float, _doc(type="number", enum=[0])] | None = Field(
+        None, description="not supported: 0 or null only")
+    logit_bias: Annotated[dict[str, float], _doc(type="object", maxProperties=0)] | None = Field(
+        None, description="not supported: empty or null only")
 
 
 class CompletionRequest(_SamplingRequest):
-    # text, a batch of texts, token ids, or a batch of token-id lists
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # top alternatives per token, up to request_mapping.max_logprobs(engine)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": _COMMON_RULES + [
+        _if_then("max_tokens", {"const": 0}, "echo", _TRUE)]})
+    prompt: Prompt = Field(description="a text, a batch of texts, token ids, or a batch of token-id lists "
+                                       "(each at most max_model_len tokens with its completion)")
+    max_tokens: Annotated[int, _doc(type="integer", minimum=0)] | None = Field(
+        16, description="new tokens at most (OpenAI's default 16); 0 only with echo: the prompt scored alone; "
+                        "null: up to max_model_len")
+    logprobs: Logprobs | None = Field(None, description="the top alternatives per token (0: the sampled token's "
+                                                        "logprob only)")
+    echo: bool = Field(False, description="the prompt before the completion (with logprobs: its tokens' too)")
+    suffix: Annotated[str | None, _doc(type="null")] = Field(None, description="not supported: null only")
+    best_of: Annotated[int | None, _doc(type="null")] = Field(None, description="not supported: null (or equal to "
+                                                                                "n) only")
 
 
 class TextContentPart(_Strict):
@@ -81,145 +176,27 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer is rendered as system")
+    # non-text parts validate (so that their 400 says "only text content parts") but are not documented
+    content: str | list[TextContentPart] | SkipJsonSchema[list[dict[str, Any]]] | None = Field(
+        None, description="text, or text parts (joined with newlines)")
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None  # None: up to max_model_len
-    logprobs: bool = False
-    top_logprobs: int | None = None  # as CompletionRequest.logprobs
-    echo: bool = False  # vLLM extension: a last assistant message's content starts the reply's content
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-
-
-# ---- responses ------------------------------------------------------------------------
-# Extensions and stream-only fields are left out when unset rather than sent as null.
-def _omit_if_none():
-    return Field(default=None, exclude_if=lambda v: v is None)
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]  # with echo, None for the first prompt token (nothing predicts it)
-    top_logprobs: list[dict[str, float] | None] | None  # per token, the top alternatives (when logprobs >= 1)
-    text_offset: list[int]
-
-
-class PromptLogprob(BaseModel):  # vLLM's Logprob, in `prompt_logprobs` keyed by token id
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = _omit_if_none()  # with return_token_ids (in a chunk: the new ones)
-    prompt_token_ids: list[int] | None = _omit_if_none()  # with return_token_ids and echo (vLLM's)
-    # with prompt_logprobs: per prompt token, None first, then {token id: PromptLogprob}
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omit_if_none()
-
-
-class CompletionResponse(BaseModel):  # also each streamed chunk
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = _omit_if_none()  # in a stream: only the last chunk (include_usage)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = _omit_if_none()  # with return_token_ids
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omit_if_none()  # vLLM's, when asked
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = _omit_if_none()  # with return_token_ids: the tokens new in this chunk
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = _omit_if_none()  # only the last chunk (include_usage)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "paged_jax"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+    model_config = ConfigDict(json_schema_extra={"allOf": _COMMON_RULES + [
+        _if_then("top_logprobs", {"type": "integer"}, "logprobs", _TRUE)]})
+    messages: list[ChatMessage] = Field(min_length=1, description="rendered with the model's chat template")
+    max_tokens: Annotated[int, _doc(type="integer", minimum=1)] | None = Field(
+        None, description="deprecated by OpenAI in favour of max_completion_tokens")
+    max_completion_tokens: Annotated[int, _doc(type="integer", minimum=1)] | None = Field(
+        None, description="new tokens at most; null: up to max_model_len")
+    logprobs: bool = Field(False, description="each generated token's logprob")
+    top_logprobs: Logprobs | None = Field(None, description="the top alternatives per token; needs logprobs: true")
+    echo: bool = Field(False, description="vLLM extension: a last assistant message's content starts the reply's "
+                                          "content")
+    tools: Annotated[list[Any], _doc(type="array", maxItems=0)] | None = Field(
+        None, description="not supported: empty or null only")
+    tool_choice: Annotated[Any, _doc(enum=["none", None])] = Field(None, description="not supported: \"none\" or "
+                                                                                     "null only")

@@ -22,6 +22,9 @@ from paged_jax.entrypoints.openai.errors import bad_request
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_N = 128  # OpenAI's own limit on n
+# the engine samples in float32: a larger temperature is inf there, and logits / inf are 0
+# (or NaN where a structured-output mask put -inf), so top-k, min-p and the mask stopped working
+MAX_TEMPERATURE = 3.4028234663852886e38  # np.finfo(np.float32).max
 
 
 def max_logprobs(engine) -> int:
@@ -50,6 +53,9 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, logprobs_limit:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be at most {MAX_TEMPERATURE:.8g} (the largest float32: the engine "
+                          f"samples in float32), got {req.temperature:g}", "temperature")
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string (or null)", "cache_salt")
     if req.priority != 0 and scheduling_policy != "priority":  # vLLM's rule and message
@@ -141,12 +147,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = ""
         elif isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 kind = part.type if hasattr(part, "type") else part.get("type")
                 if kind != "text":
                     raise bad_request(f"messages[{i}].content: only text content parts are supported, got {kind!r}",
                                       "messages")
-                texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
+                # a part that failed TextContentPart arrives as a dict: its text is checked, never str()-ed
+                text = part.text if hasattr(part, "text") else part.get("text")
+                if not isinstance(text, str):
+                    raise bad_request(f"messages[{i}].content[{j}].text must be a string, got "
+                                      f"{'nothing' if text is None else type(text).__name__}", "messages")
+                texts.append(text)
             content = "\n".join(texts)
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return messages

@@ -22,6 +22,18 @@ from paged_jax.entrypoints.openai.prompt_echo import echo_logprobs, join_logprob
 from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
 
 
+# Line breaks to Python's str.splitlines (so to httpx's and requests' iter_lines) but not
+# to SSE, which ends a line at \r or \n only. JSON leaves them raw inside strings (a
+# generated token can be one), and a line-reading client would cut the event there; JSON
+# may spell them as escapes. Control characters (\x0b, \x1c, ...) JSON escapes already.
+_SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(json_text: str) -> str:
+    """One server-sent event of a JSON body, readable line by line by any client."""
+    return f"data: {json_text.translate(_SPLITLINES_ONLY)}\n\n"
+
+
 def usage(outputs: list[RequestOutput], *, generated: bool = True) -> p.UsageInfo:
     """Token counts; `generated=False` (echo with max_tokens 0): the engine's one token is not returned."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -176,7 +188,7 @@ class ResponseBuilder:
         else:
             body = p.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                         choices=choices, usage=usage_info)
-        return f"data: {body.model_dump_json()}\n\n"
+        return sse_event(body.model_dump_json())
 
     def first_chunks(self, num_choices: int) -> list[str]:
         """Chat streams open every choice with the assistant role, as OpenAI does."""

@@ -27,25 +27,26 @@ the work runs on the app's tokenizer thread (`run_tokenizer`): never on the engi
 thread, never on the event loop.
 
 The request bodies are read by `parse_body`, not by FastAPI, so their models are added
-to the OpenAPI schema by hand (`openapi_extra` and `_add_schemas`).
+to the OpenAPI schema by hand (openapi_docs.py: each route's `openapi_extra`, and
+REQUEST_MODELS, which build_app puts in the document's components).
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import models_json_schema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai.errors import APIError, bad_request
-from paged_jax.entrypoints.openai.protocol import ChatMessage
+from paged_jax.entrypoints.openai.openapi_docs import body_doc, responses
+from paged_jax.entrypoints.openai.protocol import LIMIT, TOKEN_ID, ChatMessage
 
 PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-_REF = "#/components/schemas/{model}"
+_MODEL = {"anyOf": [{"type": "string", LIMIT: "served_model"}, {"type": "null"}]}
 
 
 class _Strict(BaseModel):  # as protocol.py's requests: no coercion, unknown fields ignored
@@ -53,23 +54,30 @@ class _Strict(BaseModel):  # as protocol.py's requests: no coercion, unknown fie
 
 
 class TokenizeCompletionRequest(_Strict):
-    model: str | None = None
+    model: Annotated[str | None, WithJsonSchema(_MODEL)] = Field(None, description="if given, the served model's name")
     prompt: str
     add_special_tokens: bool = True  # as /v1/completions encodes a text prompt
     return_token_strs: bool = False
 
 
+_NULL_ONLY = WithJsonSchema({"type": "null", "description": "not supported: null only"})
+
+
 class TokenizeChatRequest(_Strict):
-    model: str | None = None
+    # continue_final_message leaves the last (assistant) message open: not with a generation prompt
+    model_config = ConfigDict(json_schema_extra={"allOf": [{
+        "if": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}},
+        "then": {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}}}]})
+    model: Annotated[str | None, WithJsonSchema(_MODEL)] = Field(None, description="if given, the served model's name")
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True  # as /v1/chat/completions renders
     continue_final_message: bool = False  # leave the last (assistant) message open instead
     add_special_tokens: bool = False  # the template already has them: not added again
     return_token_strs: bool = False
     # vLLM arguments this server cannot honour: refused unless null (as /v1/chat/completions' tools)
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    chat_template: Annotated[str | None, _NULL_ONLY] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, _NULL_ONLY] = None
+    tools: Annotated[list[Any] | None, _NULL_ONLY] = None
 
 
 class TokenizeResponse(BaseModel):
@@ -80,8 +88,22 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
+    model: Annotated[str | None, WithJsonSchema(_MODEL)] = Field(None, description="if given, the served model's name")
+    tokens: Annotated[list[int], WithJsonSchema({"type": "array", "items": TOKEN_ID})]
+
+
+class TokenizerInfo(BaseModel):  # GET /tokenizer_info (documentation: the route answers a dict)
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    chat_template: str | None
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+
+
+REQUEST_MODELS = [TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest]  # for install_openapi
 
 
 class DetokenizeResponse(BaseModel):
@@ -173,28 +195,6 @@ def _api_key_dependency(api_key: str | None):
     return require_api_key
 
 
-def _body_doc(*models: type[BaseModel]) -> dict:
-    refs = [{"$ref": _REF.format(model=m.__name__)} for m in models]
-    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _add_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Put the request models (and the models they use) in the app's OpenAPI components."""
-    _, top = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
-    defs = top.get("$defs", {})
-    build = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schemas = build().setdefault("components", {}).setdefault("schemas", {})
-            for name, schema in defs.items():
-                schemas.setdefault(name, schema)
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
 def register_tokenize_routes(app: FastAPI, engine, *, api_key: str | None,
                              parse_body: Callable[[Request, Any], Awaitable[Any]],
                              check_model: Callable[[str], None],
@@ -212,8 +212,8 @@ def register_tokenize_routes(app: FastAPI, engine, *, api_key: str | None,
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so /tokenize and /detokenize are unavailable")
 
-    @router.post("/tokenize", response_model=TokenizeResponse,
-                 openapi_extra=_body_doc(TokenizeCompletionRequest, TokenizeChatRequest))
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=responses(400, 401, 404, 413),
+                 openapi_extra=body_doc(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request) -> TokenizeResponse:
         """Token ids of a prompt, or of messages rendered as /v1/chat/completions renders them."""
         body = await parse_body(request, _TokenizeBody)
@@ -223,7 +223,8 @@ def register_tokenize_routes(app: FastAPI, engine, *, api_key: str | None,
         ids, strs = await run_tokenizer(_tokenize, body, tokenizer)
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
-    @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=_body_doc(DetokenizeRequest))
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=responses(400, 401, 404, 413),
+                 openapi_extra=body_doc(DetokenizeRequest))
     async def detokenize(request: Request) -> DetokenizeResponse:
         """The text of token ids (special tokens included)."""
         body = await parse_body(request, DetokenizeRequest)
@@ -233,7 +234,7 @@ def register_tokenize_routes(app: FastAPI, engine, *, api_key: str | None,
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
         return DetokenizeResponse(prompt=await run_tokenizer(_detokenize, body.tokens, tokenizer))
 
-    @router.get("/tokenizer_info")
+    @router.get("/tokenizer_info", response_model=None, responses=responses(400, 401, ok=TokenizerInfo))
     async def tokenizer_info() -> dict:
         """The served tokenizer's special tokens and chat template (vLLM's endpoint)."""
         if tokenizer is None:
@@ -244,4 +245,3 @@ def register_tokenize_routes(app: FastAPI, engine, *, api_key: str | None,
                                                                     "unk_token")}}
 
     app.include_router(router)
-    _add_schemas(app, [TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest])
