@@ -29,3 +29,24 @@ def soak(record: dict) -> list:
               f"{rr._join(flags.get('preemption_modes') or [])}: completions + chat, streamed or not, greedy + "
               f"seeded, n <= {flags.get('max_n')}, stop strings, shared prefixes, disconnects; every answer vs the "
               f"offline engine, pool checked every step"), value)]
+
+
+def fuzz_server(record: dict) -> list:
+    """Schema fuzzing of every endpoint (experiments/fuzz_server.py): cases and status codes
+    per endpoint, failures, schema-violating cases served, and the engine after the fuzz."""
+    fig, flags = record["figures"], record["flags"]
+    per_op = "; ".join(f"{label} {op['cases']} ({', '.join(f'{code}: {n}' for code, n in op['status_codes'].items())})"
+                       for label, op in fig["operations"].items() if op["cases"] > 1)
+    gets = [label.split()[1] for label, op in fig["operations"].items() if op["cases"] <= 1]
+    checks = fig["checks"]
+    value = (f"{fig['cases']} cases in {fig['seconds']:.0f} s: {fig['num_failures']} failures, "
+             f"{fig['num_negative_accepted']} schema-violating cases served; {per_op}; {', '.join(gets)} once each; "
+             f"after: greedy completion + chat {'equal to' if checks['greedy_equal'] else 'DIFFER from'} offline, "
+             f"/health {checks['health_status']}, KV blocks {'all free' if checks['all_blocks_free'] else 'LEAKED'}"
+             + rr._cpu_note(record))
+    return [((f"schema fuzzing of the server (schemathesis {fig['versions']['schemathesis']}), "
+              f"{rr.model_label(fig.get('model'))}: every operation of its /openapi.json, up to "
+              f"{flags.get('max_examples')} cases each, half violating the schema (max_tokens <= "
+              f"{flags.get('case_max_tokens')}, n <= {flags.get('case_n')}); a failure is a 5xx, a hang over "
+              f"{flags.get('request_timeout_s'):g} s, a 4xx not in OpenAI's error shape, or a body off its "
+              f"documented schema"), value)]

@@ -351,8 +351,9 @@ BUILDERS = {
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
     "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
+    "fuzz_server": hardening_rows.fuzz_server,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
-NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak"}
+NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak", "fuzz_server"}
 # modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
 NEEDS_VLLM_VENV = {"peer_vllm"}

@@ -13,6 +13,7 @@ from typing import Sequence
 from paged_jax.core.structured_outputs import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1  # top_k reaches an i32 array in the jitted step
+FLOAT32_MAX = 3.4028234663852886e38  # temperature reaches an f32 array: above this it is inf there
 
 
 def _finite(name: str, value) -> None:
@@ -50,6 +51,9 @@ class SamplingParams:
             _finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > FLOAT32_MAX:
+            raise ValueError(f"temperature must be at most {FLOAT32_MAX:.8g} (the largest float32), "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:

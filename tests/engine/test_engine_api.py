@@ -61,6 +61,7 @@ def test_bad_prompts_are_refused_and_the_engine_stays_usable(llm, prompt, params
     (dict(temperature=float("nan")), "temperature must be a finite"), (dict(top_p=float("nan")), "top_p"),
     (dict(min_p=float("inf")), "min_p"), (dict(temperature=float("inf")), "temperature"),
     (dict(top_k=2**31), "top_k"), (dict(top_k=10**30), "top_k"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(temperature=1e39), "float32"),  # finite here, inf in the step's f32 array
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
