@@ -23,6 +23,7 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.openai import ServerSettings, build_app
 from paged_jax.entrypoints.openai.uvicorn_server import BackgroundServer
+from tests.helpers.server_harness import wait_until_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "tiny"
@@ -155,16 +156,7 @@ def test_the_process_exits_with_status_1_after_an_engine_failure(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", SERVE_TINY_AND_FAIL, *flags], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=err)
         try:
-            deadline = time.monotonic() + 300
-            while True:  # jax import and the buckets' compilation
-                assert proc.poll() is None, f"the server exited early:\n{(tmp_path / 'stderr').read_text()}"
-                assert time.monotonic() < deadline, "the server did not start"
-                try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            wait_until_healthy(proc, base, tmp_path / "stderr")
             r = httpx.post(base + "/v1/completions", json=dict(LONG, max_tokens=4), timeout=60)
             assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead", r.text
             status = proc.wait(60)

@@ -21,6 +21,7 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.openai import ServerSettings, build_app
 from paged_jax.entrypoints.openai.uvicorn_server import SHUTDOWN_MESSAGE, BackgroundServer
+from tests.helpers.server_harness import wait_until_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "tiny"
@@ -344,16 +345,7 @@ def test_sigterm_under_load_finishes_or_aborts_every_request_then_exits_0(tmp_pa
         proc = subprocess.Popen([sys.executable, "-c", SERVE_TINY_SLOWLY, *flags], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=err)
         try:
-            deadline = time.monotonic() + 300
-            while True:  # jax import and the buckets' compilation
-                assert proc.poll() is None, f"the server exited early:\n{(tmp_path / 'stderr').read_text()}"
-                assert time.monotonic() < deadline, "the server did not start"
-                try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            wait_until_healthy(proc, base, tmp_path / "stderr")
             outcome = asyncio.run(_load_then_sigterm(base, proc, port))
             status = proc.wait(30)
         finally:

@@ -62,6 +62,21 @@ def run_offline(engine, requests: dict) -> dict:
     return finals
 
 
+def wait_until_healthy(proc, base_url: str, stderr_path, timeout: float = 300.0) -> None:
+    """Poll a server subprocess's /health until 200 (its jax import and the buckets' compilation
+    come first); fails with the process's stderr if it exits, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited early:\n{open(stderr_path).read()}"
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
 @dataclasses.dataclass
 class LiveServer:
     loaded: object  # LoadedModel
