@@ -5,7 +5,7 @@ Requests are validated strictly (a string where a number belongs is a 400, never
 silent coercion; a whole number written 2.0 is the integer 2, as JSON means it:
 json_body.py). Unknown fields are ignored so that clients which send extra
 OpenAI arguments keep working, but the known arguments this engine cannot honour
-(`suffix`, `best_of`, penalties, `logit_bias`, tools) are
+(`suffix`, `best_of`, penalties, `logit_bias`, tools, vLLM's `use_beam_search`) are
 declared here and refused with a 400 when set to anything but their neutral value
 (`request_mapping.py`), so nothing a client asks for is quietly dropped.
 
@@ -152,6 +152,9 @@ class _SamplingRequest(_Strict):
         None, description="not supported: 0 or null only")
     logit_bias: Annotated[dict[str, float], _doc(type="object", maxProperties=0)] | None = Field(
         None, description="not supported: empty or null only")
+    use_beam_search: Annotated[bool, _doc(type="boolean", enum=[False])] | None = Field(
+        None, description="vLLM extension, not supported by this server: false or null only (beam search is in "
+                          "the Python API: LLM.beam_search / BeamSearchParams)")
 
 
 class CompletionRequest(_SamplingRequest):

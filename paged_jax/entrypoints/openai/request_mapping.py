@@ -51,6 +51,9 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, logprobs_limit:
             raise bad_request(f"{name} is not supported by this server (only 0 or null)", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    if req.use_beam_search:
+        raise bad_request("use_beam_search is not supported by this server (beam search is in the Python API: "
+                          "LLM.beam_search / BeamSearchParams)", "use_beam_search")
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
