@@ -27,7 +27,7 @@ import pytest
 
 from paged_jax.entrypoints.openai.protocol import LIMIT
 from paged_jax.entrypoints.openai.request_mapping import max_logprobs
-from tests.helpers.server_harness import MODEL
+from tests.helpers.server_harness import MODEL, assert_error
 
 
 def _completion(**fields):
@@ -36,15 +36,6 @@ def _completion(**fields):
 
 def _chat(**fields):
     return dict({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, **fields)
-
-
-def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    for word in words:
-        assert word in error["message"], error["message"]
-    return error
 
 
 @pytest.mark.parametrize("path, body", [

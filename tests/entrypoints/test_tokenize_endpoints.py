@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from paged_jax.entrypoints.openai import ServerSettings, build_app
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest
-from tests.helpers.server_harness import API_KEY, CHAT_MESSAGES, COMPLETION_PROMPTS, MODEL
+from tests.helpers.server_harness import API_KEY, CHAT_MESSAGES, COMPLETION_PROMPTS, MODEL, assert_error
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TEXTS = COMPLETION_PROMPTS + ["naïve café — 東京 🚀\n\ttabs", "<|im_start|>user\nHi<|im_end|>", "   ", ""]
@@ -42,15 +42,6 @@ def detokenize(live, tokens) -> str:
 def chat_route_ids(messages, tokenizer) -> list[int]:
     """What /v1/chat/completions computes for these messages (its own functions)."""
     return rm.chat_prompt_ids(rm.chat_messages(ChatCompletionRequest(model=MODEL, messages=messages)), tokenizer)
-
-
-def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    for word in words:
-        assert word in error["message"], error["message"]
-    return error
 
 
 def offline_app(tokenizer, api_key: str | None = None) -> TestClient:

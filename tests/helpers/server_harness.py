@@ -62,6 +62,16 @@ def run_offline(engine, requests: dict) -> dict:
     return finals
 
 
+def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
+    """An invalid-request error in OpenAI's shape, with `status` and each of `words` in its message."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
 def wait_until_healthy(proc, base_url: str, stderr_path, timeout: float = 300.0) -> None:
     """Poll a server subprocess's /health until 200 (its jax import and the buckets' compilation
     come first); fails with the process's stderr if it exits, or after `timeout` seconds."""
