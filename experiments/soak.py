@@ -12,7 +12,8 @@ KV budget, so sequences are preempted all the time, and then checks:
 
   * answers: every greedy answer against the offline engine's for the same prompt token
     ids and parameters, every seeded sampled answer against its seed's offline replay
-    (same seed, same tokens), the offline runs made on the server's own engine (the same
+    (same seed, same tokens), every beam search's beams against the offline beam search's
+    (token for token, no tie allowance), the offline runs made on the server's own engine (the same
     EngineConfig) once the server has stopped; a difference is accepted only at a
     near-tie (tests/helpers/greedy_check.py; experiments/benchmarks/soak_checks.py);
   * the block pool after every step (EngineConfig.pool_check="step": failures counted in
@@ -26,8 +27,8 @@ The requests are split over one phase per --preemption_modes entry (a fresh serv
 so both recompute and swap preemption are forced). The traffic (experiments/benchmarks/
 soak_traffic.py) mixes /v1/completions and /v1/chat/completions, streamed and not, greedy
 and seeded sampling, n up to --max_n, stop strings, logprobs, --num_prefixes long shared
-system prompts, and clients that disconnect mid-stream (their requests are not checked
-but must be aborted). Beam search is not in the mix: the server does not expose it.
+system prompts, --beam_fraction beam searches (`use_beam_search`, n = 2..--max_n beams), and
+clients that disconnect mid-stream (their requests are not checked but must be aborted).
 Writes experiments/results/<--output>.json.
 """
 
@@ -51,6 +52,7 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "Most max_tokens of a reque
 _MAX_N = flags.DEFINE_integer("max_n", 3, "Largest n (parallel completions) of a request.")
 _NUM_PREFIXES = flags.DEFINE_integer("num_prefixes", 4, "Long shared system prompts (prefix-cache hits and evictions).")
 _PREFIX_WORDS = flags.DEFINE_integer("prefix_words", 70, "Words per shared prefix (~1.5 tokens each).")
+_BEAMS = flags.DEFINE_float("beam_fraction", 0.04, "Fraction of requests that are beam searches (n = 2..max_n).")
 _DISCONNECT = flags.DEFINE_float("disconnect_fraction", 0.04, "Fraction of clients that go away mid-request.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "EngineConfig.block_size.")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 96, "EngineConfig.num_blocks: the tight KV budget (incl. the "
@@ -99,7 +101,7 @@ def summarize(phases: list[dict], max_drift_pct: float) -> dict:
         "prompt_tokens": total("prompt_tokens"), "generated_tokens": total("generated_tokens"),
         "traffic_minutes": round(sum(p["traffic_s"] for p in phases) / 60, 2),
         "mismatches": total("mismatches"), "near_ties": total("near_ties"),
-        "checked_choices": {k: sum(p["checked_choices"][k] for p in phases) for k in ("greedy", "seeded")},
+        "checked_choices": {k: sum(p["checked_choices"].get(k, 0) for p in phases) for k in ("greedy", "seeded", "beam")},
         "leaks": total("num_leaks"), "hangs": sum(p["hang"] for p in phases),
         "errors": total("errors"), "server_errors_5xx": total("server_errors_5xx"),
         "pool_check_failures": None if any(v is None for v in pool) else sum(pool),
@@ -142,7 +144,8 @@ def main(argv):
         plan = make_plan(per_phase, rate=_RATE.value, tokenizer=loaded.tokenizer, seed=_SEED.value + i,
                          max_model_len=_MAX_MODEL_LEN.value, min_tokens=_MIN_TOKENS.value,
                          max_tokens=_MAX_TOKENS.value, num_prefixes=_NUM_PREFIXES.value,
-                         prefix_words=_PREFIX_WORDS.value, disconnect_fraction=_DISCONNECT.value, max_n=_MAX_N.value)
+                         prefix_words=_PREFIX_WORDS.value, disconnect_fraction=_DISCONNECT.value, max_n=_MAX_N.value,
+                         beam_fraction=_BEAMS.value)
         config = engine_config(**_engine_settings(mode))
         print(f"phase {i + 1}/{len(_MODES.value)}: {per_phase} requests, preemption {mode}, "
               f"{config.num_blocks} blocks of {config.block_size}", flush=True)

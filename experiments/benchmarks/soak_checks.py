@@ -11,7 +11,9 @@ logits of the two tokens are within 1e-3 (read as the raw logprobs of its top-K,
 differences are the logits' differences; a token outside the top-K is no tie). A seeded
 answer is a Gumbel-max draw, token = argmax(logits / T + g) with g from the completion's
 key (fold_in(key(seed), position): worker/step_head.py), so the same rule applies to
-those scores: a sampled answer may differ only where they are within 1e-3.
+those scores: a sampled answer may differ only where they are within 1e-3. A beam search's
+beams (use_beam_search) must equal the offline beam search's exactly: no tie rule is
+applied to them, so a float-noise swap of two tied hypotheses would count as a mismatch.
 
 Leaks. After the traffic, with the server idle, every block is free or cached, and the
 per-request dicts of the core, block manager, runner, scheduler and both output
@@ -30,7 +32,10 @@ from experiments.benchmarks.soak_traffic import SoakRequest, SoakResult
 
 # ---- offline replay -------------------------------------------------------------------
 def offline_params(req: SoakRequest):
+    from paged_jax.core.beam_search import BeamSearchParams
     from paged_jax.core.sampling_params import SamplingParams
+    if req.beam:
+        return BeamSearchParams(beam_width=req.n, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos)
     return SamplingParams(n=req.n, temperature=req.temperature, seed=req.seed, max_tokens=req.max_tokens,
                           stop=tuple(req.stop) if req.stop else None, ignore_eos=req.ignore_eos,
                           logprobs=req.logprobs)
@@ -116,6 +121,8 @@ def compare_choice(req: SoakRequest, index: int, served: dict, offline, referenc
                     "served_finish": served["finish_reason"]}
         return None
     prompt = req.prompt_token_ids
+    if req.beam:  # no near-tie rule here: a beam's rank rests on sums of logprobs; any difference counts
+        return {**base, "kind": "mismatch", "detail": f"beam {index} differs"}
     if req.temperature == 0:
         scores = reference.logits
     else:
@@ -139,7 +146,7 @@ def check_answers(engine, plan: list[SoakRequest], results: list[SoakResult], wa
     offline = run_requests(engine, todo, wave=wave)
     replay_s, after = time.perf_counter() - start, engine.stats()
     reference = Reference(engine)
-    findings, usage_errors, checked = [], [], {"greedy": 0, "seeded": 0}
+    findings, usage_errors, checked = [], [], {"greedy": 0, "seeded": 0, "beam": 0}
     for r in results:
         if not checkable(r):
             continue

@@ -11,8 +11,9 @@ checked token for token against the offline engine (soak_checks.py), and every r
 knows the prompt token ids the server must have seen (the client tokenizes as the server
 does: `tokenizer.encode`, or the chat template).
 
-Beam search is not sent: the server exposes none (protocol.py has no `use_beam_search`,
-and `best_of` is accepted only equal to n, i.e. plain sampling).
+A few requests are beam searches (`use_beam_search` with n = 2..max_n beams, no stop strings
+or logprobs, which beams refuse); their answers arrive whole at the end, so only a
+whole-response client gives up on one.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ class SoakRequest:
     # "wait": a whole-response request given up after `disconnect_after` ms
     disconnect: str | None = None
     disconnect_after: int = 1
+    beam: bool = False  # use_beam_search with n beams (greedy; checked against the offline beam search)
 
     @property
     def sampling(self) -> str:
+        if self.beam:
+            return "beam"
         return "greedy" if self.temperature == 0 else "seeded"
 
     def body(self, model: str) -> dict:
@@ -64,6 +68,8 @@ class SoakRequest:
                 "return_token_ids": True, "ignore_eos": self.ignore_eos}
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.beam:
+            body["use_beam_search"] = True
         if self.stop:
             body["stop"] = self.stop if len(self.stop) > 1 or self.index % 2 else self.stop[0]
         if self.stream and self.index % 3:
@@ -122,8 +128,8 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
 
 def make_plan(num_requests: int, *, rate: float, tokenizer, seed: int = 0, max_model_len: int = 512,
               min_tokens: int = 4, max_tokens: int = 24, num_prefixes: int = 4, prefix_words: int = 70,
-              disconnect_fraction: float = 0.04, max_n: int = 3, long_words: tuple[int, int] = (60, 150)
-              ) -> list[SoakRequest]:
+              disconnect_fraction: float = 0.04, max_n: int = 3, long_words: tuple[int, int] = (60, 150),
+              beam_fraction: float = 0.04) -> list[SoakRequest]:
     """A seeded request mix (see the module docstring); arrivals Poisson at `rate` per second.
     `long_words`: the word range of the long unique prompts (1 in 10; they fill the KV
     cache). Every prompt + max_tokens fits max_model_len. Disconnecting requests stream with
@@ -172,6 +178,9 @@ def make_plan(num_requests: int, *, rate: float, tokenizer, seed: int = 0, max_m
                 [{"role": "user", "content": body}]
             req.messages, ids = messages, chat_prompt_ids(tokenizer, messages)
         req.prompt_token_ids = ids
+        if disconnect != "stream" and max_n >= 2 and rng.random() < beam_fraction:  # a beam search instead
+            req.beam, req.n, req.temperature, req.seed = True, int(rng.integers(2, max_n + 1)), 0.0, None
+            req.stop, req.logprobs, req.best_of = None, None, False
         if len(ids) + req.max_tokens > max_model_len:
             raise ValueError(f"request {i}: {len(ids)} prompt tokens + {req.max_tokens} exceed max_model_len "
                              f"{max_model_len} (fewer --prefix_words)")

@@ -19,7 +19,8 @@ def soak(record: dict) -> list:
     modes = "; ".join(f"{m}: {p['preempted']} preempted ({p['swapped_out']} swapped out)"
                       for m, p in fig["preemptions_by_mode"].items())
     value = (f"{fig['requests']} requests in {fig['traffic_minutes']:.1f} min; {fig['mismatches']} mismatches in "
-             f"{checked['greedy']} greedy + {checked['seeded']} seeded answers ({fig['near_ties']} near-ties); "
+             f"{checked['greedy']} greedy + {checked['seeded']} seeded answers"
+             + (f" + {checked['beam']} beams" if checked.get("beam") else "") + f" ({fig['near_ties']} near-ties); "
              f"{fig['leaks']} leaks, {fig['pool_check_failures']} pool-check failures, {fig['errors']} errors; "
              f"{modes}; prefix-cache hit rate {rr._pct(fig['prefix_cache_hit_rate'] or 0)}; "
              f"{fig['disconnects']} disconnects; RSS drift {fig['rss_drift_pct_max']:+.1f}% max; counters "
@@ -27,7 +28,7 @@ def soak(record: dict) -> list:
     return [((f"soak of the server, {rr.model_label(fig.get('model'))}, Poisson at {flags.get('rate')} req/s, "
               f"{flags.get('num_blocks')} KV blocks of {flags.get('block_size')}, phases "
               f"{rr._join(flags.get('preemption_modes') or [])}: completions + chat, streamed or not, greedy + "
-              f"seeded, n <= {flags.get('max_n')}, stop strings, shared prefixes, disconnects; every answer vs the "
+              f"seeded{' + beams' if flags.get('beam_fraction') else ''}, n <= {flags.get('max_n')}, stop strings, shared prefixes, disconnects; every answer vs the "
               f"offline engine, pool checked every step"), value)]
 
 

@@ -64,6 +64,11 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # finished score = cum_logprob / generated_len ** length_penalty
     ignore_eos: bool = False  # EOS is an ordinary token: every hypothesis runs to max_tokens
 
+    @property
+    def n(self) -> int:
+        """How many completions the request returns (SamplingParams' name): its beams."""
+        return self.beam_width
+
     def __post_init__(self):
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")

@@ -74,9 +74,9 @@ BAD_BODIES = [  # (path, raw body or dict, words the message must contain, param
     ("/v1/completions", _completion(best_of=3), "best_of", "best_of"),
     ("/v1/completions", _completion(suffix="x"), "suffix", "suffix"),
     ("/v1/completions", _completion(logit_bias={"5": 1}), "logit_bias", "logit_bias"),
-    # vLLM's beam-search switch: refused, never silently sampled instead
-    ("/v1/completions", _completion(use_beam_search=True), "use_beam_search is not supported", "use_beam_search"),
-    ("/v1/chat/completions", _chat(use_beam_search=True), "use_beam_search is not supported", "use_beam_search"),
+    # beam search: what it cannot honour is refused, never silently dropped
+    ("/v1/completions", _completion(use_beam_search=True, stop=["."]), "not supported with use_beam_search", "stop"),
+    ("/v1/chat/completions", _chat(length_penalty=0.5), "only applies to beam search", "length_penalty"),
     ("/v1/completions", _completion(presence_penalty=0.5), "presence_penalty", "presence_penalty"),
     ("/v1/completions", _completion(stream_options={"include_usage": True}), "stream_options", "stream_options"),
     ("/v1/completions", _completion(cache_salt=""), "cache_salt must be a non-empty string", "cache_salt"),

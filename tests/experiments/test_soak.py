@@ -2,7 +2,7 @@
 
 Two phases of a few dozen requests in all (recompute, then swap preemption) on a KV cache
 so small that sequences are preempted, against a live server on loopback: every kind of
-traffic (completions and chat, streamed and not, greedy and seeded, n > 1, stop strings,
+traffic (completions and chat, streamed and not, greedy, seeded and beams, n > 1, stop strings,
 shared prefixes, a client that disconnects mid-stream). Every answer must equal the
 offline engine's, nothing may leak, and /metrics must agree with the clients. And the
 checker itself must be able to fail: one changed token is a mismatch, not a near-tie.
@@ -19,7 +19,7 @@ from experiments.benchmarks.soak_traffic import make_plan
 SETTINGS = dict(block_size=16, num_blocks=20, max_model_len=160, max_num_seqs=16, max_num_batched_tokens=128,
                 seq_buckets=(4, 16), token_buckets=(16, 64, 128), layer_loop="scan", pool_check="step")
 PLAN = dict(rate=0, min_tokens=6, max_tokens=14, num_prefixes=2, prefix_words=30, disconnect_fraction=0.12,
-            max_n=2, max_model_len=160, long_words=(30, 60))
+            max_n=2, max_model_len=160, long_words=(30, 60), beam_fraction=0.15)
 PER_PHASE = 16
 
 
@@ -40,7 +40,7 @@ def test_the_plan_has_every_kind_of_traffic(soak):
     reqs = [r for plan in plans for r in plan]
     assert {r.endpoint for r in reqs} == {"completions", "chat"}
     assert {r.stream for r in reqs} == {True, False}
-    assert {r.sampling for r in reqs} == {"greedy", "seeded"}
+    assert {r.sampling for r in reqs} == {"greedy", "seeded", "beam"}
     assert any(r.n > 1 for r in reqs) and any(r.stop for r in reqs) and any(r.prefix is not None for r in reqs)
     assert any(isinstance(r.prompt, list) for r in reqs) and any(r.logprobs is not None for r in reqs)
     for plan in plans:  # each phase has a client that leaves mid-stream
@@ -55,6 +55,7 @@ def test_a_tiny_soak_is_clean(soak, mode):
     assert f["errors"] == 0, f["error_examples"]
     assert f["mismatches"] == 0, f["mismatch_examples"]
     assert f["checked_choices"]["greedy"] and f["checked_choices"]["seeded"]
+    assert sum(soak[m][1].figures["checked_choices"]["beam"] for m in soak)  # beams answered in one phase at least
     assert f["usage_disagreements"] == 0, f["usage_examples"]
     assert f["num_leaks"] == 0, (f["leaks"], f["leaks_after_replay"])
     assert not f["hang"] and f["server_stopped_cleanly"]
@@ -68,7 +69,7 @@ def test_a_tiny_soak_is_clean(soak, mode):
     assert f["rss"]["num_samples"] >= 2
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "beam"])
 def test_a_changed_token_is_a_mismatch(soak, sampling):
     """The checker can fail: the served answer with one token changed is reported."""
     plan, phase = soak["swap"]
@@ -84,4 +85,4 @@ def test_a_changed_token_is_a_mismatch(soak, sampling):
     served["token_ids"] = soak_checks.corrupt(served["token_ids"], 1, engine.model_config.vocab_size)
     finding = soak_checks.compare_choice(req, 0, served, offline.outputs[0], reference)
     assert finding is not None and finding["kind"] == "mismatch", finding
-    assert "differ at generated token 1" in finding["detail"]
+    assert ("beam 0 differs" if sampling == "beam" else "differ at generated token 1") in finding["detail"]

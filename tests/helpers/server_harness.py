@@ -31,6 +31,8 @@ COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upo
 CHAT_MESSAGES = [[{"role": "user", "content": "What is the capital of France?"}],
                  [{"role": "system", "content": "You answer in one word."},
                   {"role": "user", "content": "Name a colour."}]]
+BEAM_COMPLETION = dict(beam_width=3, max_tokens=8, length_penalty=0.5)
+BEAM_CHAT = dict(beam_width=2, max_tokens=10)
 STOP_PROMPT, STOPS = "The capital of France is", (".", " answer")
 _WORDS = ("the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches "
           "under a pale moon near the old river bridge").split()
@@ -144,6 +146,7 @@ def start_live_server() -> LiveServer:
     from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.config.engine_config import EngineConfig
     from paged_jax.loading import load_model
+    from paged_jax.core.beam_search import BeamSearchParams
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.openai import ServerSettings, build_app
 
@@ -161,6 +164,10 @@ def start_live_server() -> LiveServer:
     requests.update({f"load-{i}": (p, SamplingParams(temperature=0, max_tokens=m))
                      for i, (p, m) in enumerate(load_prompts())})
     offline = run_offline(engine, requests)
+    # beam search (use_beam_search), each alone as the server will run it: the engine's own beams, best first
+    offline.update(run_offline(engine, {"beam-completion": (COMPLETION_PROMPTS[0], BeamSearchParams(**BEAM_COMPLETION))}))
+    offline.update(run_offline(engine, {"beam-chat": ({"prompt_token_ids": chat_ids(loaded.tokenizer, CHAT_MESSAGES[0])},
+                                                      BeamSearchParams(**BEAM_CHAT))}))
     app = build_app(engine, ServerSettings(served_model_name=MODEL, api_key=API_KEY,
                                            max_waiting_requests=MAX_WAITING, max_request_body_bytes=MAX_BODY))
     return LiveServer(loaded, engine, app, BackgroundServer(app), offline)

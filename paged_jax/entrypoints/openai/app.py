@@ -232,8 +232,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         rm.check_completion(body, logprobs_limit, engine.config.scheduling_policy)
         check_model(body.model)
         max_tokens, prompt_logprobs = rm.completion_echo(body)
-        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len,
-                                    logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+        params = rm.request_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len,
+                                   logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
         prompts = rm.completion_prompts(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
@@ -257,8 +257,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = rm.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs,
-                                    prompt_logprobs=body.prompt_logprobs)
+        params = rm.request_params(body, max_tokens=max_tokens, default_max_tokens=max_model_len, logprobs=logprobs,
+                                   prompt_logprobs=body.prompt_logprobs)
         messages = rm.chat_messages(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.chat_prompt_ids, messages, engine.tokenizer)

@@ -5,12 +5,13 @@ Requests are validated strictly (a string where a number belongs is a 400, never
 silent coercion; a whole number written 2.0 is the integer 2, as JSON means it:
 json_body.py). Unknown fields are ignored so that clients which send extra
 OpenAI arguments keep working, but the known arguments this engine cannot honour
-(`suffix`, `best_of`, penalties, `logit_bias`, tools, vLLM's `use_beam_search`) are
+(`suffix`, `best_of`, penalties, `logit_bias`, tools) are
 declared here and refused with a 400 when set to anything but their neutral value
 (`request_mapping.py`), so nothing a client asks for is quietly dropped.
 
 vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
-`prompt_logprobs`, `priority`, chat `echo` and `cache_salt` are accepted too. Completions'
+`prompt_logprobs`, `priority`, chat `echo`, `cache_salt` and beam search (`use_beam_search`
+with `n` beams, `length_penalty`) are accepted too. Completions'
 `echo` puts the prompt before the completion (its tokens' logprobs too, when `logprobs` is
 set), and `max_tokens: 0` with it scores the prompt without generating: what
 lm-evaluation-harness's loglikelihood requests send. `response_format` (JSON mode, a JSON
@@ -152,9 +153,14 @@ class _SamplingRequest(_Strict):
         None, description="not supported: 0 or null only")
     logit_bias: Annotated[dict[str, float], _doc(type="object", maxProperties=0)] | None = Field(
         None, description="not supported: empty or null only")
-    use_beam_search: Annotated[bool, _doc(type="boolean", enum=[False])] | None = Field(
-        None, description="vLLM extension, not supported by this server: false or null only (beam search is in "
-                          "the Python API: LLM.beam_search / BeamSearchParams)")
+    use_beam_search: bool | None = Field(
+        None, description="vLLM extension: beam search with n beams, the n best returned best first; ranks the "
+                          "model's own log-probabilities, so temperature and seed change nothing (as in vLLM); "
+                          "not with stop, stop_token_ids, logprobs, prompt_logprobs, top_p, top_k, min_p or a "
+                          "structured output")
+    length_penalty: float | None = Field(
+        None, description="vLLM extension, beam search only: a finished beam scores cum_logprob / "
+                          "len ** length_penalty (default 1)")
 
 
 class CompletionRequest(_SamplingRequest):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import CompletionOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.structured_outputs import KINDS, StructuredOutputsParams
@@ -52,8 +53,9 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, logprobs_limit:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if req.use_beam_search:
-        raise bad_request("use_beam_search is not supported by this server (beam search is in the Python API: "
-                          "LLM.beam_search / BeamSearchParams)", "use_beam_search")
+        check_beam_search(req)
+    elif req.length_penalty not in (None, 1):
+        raise bad_request("length_penalty only applies to beam search (use_beam_search: true)", "length_penalty")
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be an int in [1, {MAX_N}], got {req.n}", "n")
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
@@ -66,6 +68,37 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, logprobs_limit:
                           f"(it runs {scheduling_policy!r})", "priority")
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= logprobs_limit:
         raise bad_request(_logprobs_message("prompt_logprobs", req.prompt_logprobs, logprobs_limit), "prompt_logprobs")
+
+
+def check_beam_search(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse what a beam search cannot honour, instead of dropping it as vLLM does: its
+    beams end at EOS or max_tokens only, return no logprobs, and rank the model's own
+    log-probabilities (so no sampling filter or output constraint applies)."""
+    conflicts = {"stop": bool(req.stop), "stop_token_ids": bool(req.stop_token_ids),
+                 "logprobs": req.logprobs not in (None, False), "top_logprobs": getattr(req, "top_logprobs", None) is not None,
+                 "prompt_logprobs": req.prompt_logprobs is not None, "top_p": req.top_p not in (None, 1),
+                 "top_k": req.top_k not in (None, 0, -1), "min_p": req.min_p not in (None, 0),
+                 "response_format": req.response_format is not None and req.response_format.get("type") != "text",
+                 "structured_outputs": req.structured_outputs is not None}
+    for name, conflict in conflicts.items():
+        if conflict:
+            raise bad_request(f"{name} is not supported with use_beam_search (beams end at EOS or max_tokens, "
+                              "return no logprobs and rank the model's own log-probabilities)", name)
+
+
+def beam_search_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                       default_max_tokens: int) -> BeamSearchParams:
+    """BeamSearchParams from a request with use_beam_search (checked by check_beam_search):
+    vLLM's mapping, n beams; its ValueError becomes a 400 naming the field."""
+    try:
+        return BeamSearchParams(beam_width=req.n,
+                                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                                ignore_eos=req.ignore_eos)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        field = {"beam_width": "n"}.get(message.split(" ", 1)[0], message.split(" ", 1)[0])
+        raise bad_request(message, field if field in type(req).model_fields else None) from exc
 
 
 def check_completion(req: CompletionRequest, logprobs_limit: int, scheduling_policy: str = "fcfs") -> None:
@@ -220,7 +253,7 @@ def check_structured_outputs(req: CompletionRequest | ChatCompletionRequest, par
     """Compile the constraint's grammar for the engine's tokenizer (a 400 with llguidance's
     message when invalid; cached for the engine thread); blocking, so the app runs it on
     its tokenizer thread."""
-    if params.structured_outputs is None:
+    if getattr(params, "structured_outputs", None) is None:  # none asked for, or a beam search
         return
     param = "structured_outputs" if req.structured_outputs is not None else "response_format"
     manager = getattr(getattr(engine, "core", None), "structured_outputs", None)
@@ -230,6 +263,17 @@ def check_structured_outputs(req: CompletionRequest | ChatCompletionRequest, par
         manager.check(params.structured_outputs)
     except ValueError as exc:
         raise bad_request(str(exc), param) from exc
+
+
+def request_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                   default_max_tokens: int, logprobs: int | None,
+                   prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
+    """The engine's params for the request: BeamSearchParams with use_beam_search, else
+    SamplingParams."""
+    if req.use_beam_search:
+        return beam_search_params(req, max_tokens=max_tokens, default_max_tokens=default_max_tokens)
+    return sampling_params(req, max_tokens=max_tokens, default_max_tokens=default_max_tokens, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, default_max_tokens: int,
