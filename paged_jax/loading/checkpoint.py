@@ -97,8 +97,8 @@ def load_checkpoint(path: str, *, load_tokenizer: bool = True, shardings=None) -
     tokenizer = None
     tokenizer_dir = os.path.join(path, "tokenizer")
     if load_tokenizer and os.path.isdir(tokenizer_dir):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        from paged_jax.loading.hf_tokenizer import load_hf_tokenizer
+        tokenizer = load_hf_tokenizer(tokenizer_dir)
     return cfg, params, tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The one error a weight file that cannot be read raises, whichever format it is in.
+"""The one error a weight file (or a tokenizer file) that cannot be read raises, whichever format it is in.
 
 A truncated download, a disk that filled up mid-copy or a file that is not what its name
 says otherwise surfaces from deep inside a reader (gguf's numpy views, safetensors' Rust

@@ -89,18 +89,13 @@ def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32", sharding
         cfg, params = load_gguf(path, dtype=target, shardings=shardings)
         tokenizer = load_gguf_tokenizer(path)
     elif kind == "hf":
-        from transformers import AutoTokenizer
-
+        from paged_jax.loading.hf_tokenizer import has_tokenizer, load_hf_tokenizer
         from paged_jax.loading.hf_weights import load_hf_directory
         cfg, params = load_hf_directory(path, dtype=target, shardings=shardings)
-        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
     else:
         cfg, params, tokenizer = checkpoint.load_checkpoint(path, shardings=shardings)
         if params["embed"].dtype != target:
             params = jax.tree.map(lambda a: a.astype(target), params)
     return LoadedModel(cfg, params, tokenizer, os.path.abspath(path), kind, time.perf_counter() - start)
 
-
-def _has_tokenizer(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f))
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
