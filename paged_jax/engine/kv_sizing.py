@@ -10,7 +10,8 @@ engine starts (weights already loaded) would otherwise fail late and obscurely: 
 RESOURCE_EXHAUSTED in the middle of the warm-up on an accelerator, and on CPU an
 allocation that succeeds (Linux overcommits) and then swaps or gets the process killed
 by the OOM killer once the cache is touched. So `resolve_config` refuses it before
-anything is allocated, naming the largest budget that would fit.
+anything is allocated, naming the largest budget that would fit; likewise swap space
+(host memory for swapped-out blocks) that the host cannot hold.
 """
 
 from __future__ import annotations
@@ -73,7 +74,20 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
                                    attention_backend=backend, kv_cache_dtype=kv_dtype, layer_loop=layer_loop)
     if check_memory:
         check_fits_memory(resolved, config, model_config)
+        check_swap_fits_host(resolved, model_config)
     return resolved
+
+
+def host_available() -> tuple[int, str] | None:
+    """(bytes, where from): this host's MemAvailable (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "this host (MemAvailable in /proc/meminfo)"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def available_memory(devices) -> tuple[int, str] | None:
@@ -82,14 +96,7 @@ def available_memory(devices) -> tuple[int, str] | None:
     allocated without swapping). Accelerators: XLA's allocator limit minus what is in use
     (the weights, by the time the engine sizes its cache)."""
     if devices[0].platform == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024, "this host (MemAvailable in /proc/meminfo)"
-        except (OSError, ValueError, IndexError):
-            pass
-        return None
+        return host_available()
     free = []
     for device in devices:
         try:
@@ -132,6 +139,38 @@ def check_fits_memory(resolved: EngineConfig, asked: EngineConfig, model_config:
         f"{f' for {shared} devices' if shared > 1 else ' per device'}, but "
         f"{where} has {_gib(bytes_free)} free, of which the cache may take {KV_MEMORY_FRACTION:.0%} (the rest is "
         f"for activations and compiled programs); {fix}")
+
+
+def check_swap_fits_host(resolved: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse swap space (preemption_mode="swap": whole blocks in host memory, numpy arrays
+    that Linux hands out lazily and that fail only once swapped blocks touch them) larger
+    than KV_MEMORY_FRACTION of the host's free memory; on CPU less the device KV cache,
+    which lives in the same memory."""
+    if resolved.preemption_mode != "swap":
+        return
+    host_block = bytes_per_block(model_config, resolved.block_size, resolved.kv_cache_dtype)  # whole blocks
+    swap = resolved.swap_space_bytes // host_block * host_block
+    free = host_available()
+    if swap == 0 or free is None:
+        return
+    bytes_free, where = free
+    tp = resolved.tensor_parallel_size
+    devices = jax.local_devices()[:tp]
+    kv = 0
+    if devices[0].platform == "cpu":
+        kv = resolved.num_blocks * bytes_per_block(model_config, resolved.block_size, resolved.kv_cache_dtype,
+                                                   tp) * len(devices)
+    room = int(bytes_free * KV_MEMORY_FRACTION) - kv
+    if swap <= room:
+        return
+    fix = (f"the largest that fits is swap_space_bytes={room // host_block * host_block} "
+           f"({room // host_block} host blocks)" if room >= host_block else
+           "no swap space fits: use preemption_mode='recompute' or a smaller KV cache")
+    raise ValueError(
+        f"the swap space does not fit in memory: swap_space_bytes={resolved.swap_space_bytes} is "
+        f"{swap // host_block} host blocks of {host_block} bytes = {_gib(swap)}"
+        f"{f' on top of the KV cache (in the same memory on CPU) of {_gib(kv)}' if kv else ''}, but {where} has "
+        f"{_gib(bytes_free)} free, of which the caches may take {KV_MEMORY_FRACTION:.0%}; {fix}")
 
 
 def _gib(num_bytes: int) -> str:

@@ -7,6 +7,7 @@ The free memory is the real one (this host's MemAvailable) where the test only n
 arithmetic, since the real figure moves while other processes run.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -78,6 +79,7 @@ def free_memory(monkeypatch):
     """Set the free memory the check sees: free_memory(bytes)."""
     def set_free(num_bytes: int):
         monkeypatch.setattr(kv_sizing, "available_memory", lambda devices: (num_bytes, "the test's machine"))
+        monkeypatch.setattr(kv_sizing, "host_available", lambda: (num_bytes, "the test's host"))
     return set_free
 
 
@@ -136,3 +138,46 @@ def test_cpu_devices_share_the_hosts_memory(tiny_llama, free_memory, monkeypatch
     assert kv_sizing.resolve_config(EngineConfig(**SMALL, num_blocks=450, tensor_parallel_size=2), cfg)
     with pytest.raises(ValueError, match=r"for 2 devices.*\(num_blocks=450\)"):
         kv_sizing.resolve_config(EngineConfig(**SMALL, num_blocks=451, tensor_parallel_size=2), cfg)
+
+
+def test_swap_space_beyond_the_host_is_refused_with_the_largest_that_fits(tiny_llama, free_memory):
+    """preemption_mode="swap" allocates swap_space_bytes of host blocks; on CPU they share
+    the host's memory with the device cache, so the room is 90% of it less the cache."""
+    cfg = tiny_llama.config
+    block = bytes_per_block(cfg, 16, "float32")
+    swap = dict(SMALL, num_blocks=300, preemption_mode="swap")
+    free_memory(1000 * block)  # 900 blocks in all: 300 in the device cache leave 600 for swap
+    assert kv_sizing.resolve_config(EngineConfig(**swap, swap_space_bytes=600 * block), cfg).num_blocks == 300
+    with pytest.raises(ValueError) as err:
+        kv_sizing.resolve_config(EngineConfig(**swap, swap_space_bytes=601 * block), cfg)
+    message = str(err.value)
+    assert message.startswith(f"the swap space does not fit in memory: swap_space_bytes={601 * block} is 601 "
+                              f"host blocks"), message
+    assert "on top of the KV cache" in message and "the test's host" in message, message
+    assert f"the largest that fits is swap_space_bytes={600 * block} (600 host blocks)" in message, message
+    # recompute preemption allocates no swap space: no check; nor a simulated engine
+    assert kv_sizing.resolve_config(EngineConfig(**dict(swap, preemption_mode="recompute"),
+                                                 swap_space_bytes=10**6 * block), cfg).num_blocks == 300
+    assert kv_sizing.resolve_config(EngineConfig(**swap, swap_space_bytes=10**6 * block), cfg,
+                                    check_memory=False).num_blocks == 300
+    free_memory(301 * block)  # 270 blocks: not even the device cache plus one host block
+    with pytest.raises(ValueError, match="the KV cache does not fit"):
+        kv_sizing.resolve_config(EngineConfig(**swap, swap_space_bytes=block), cfg)
+    free_memory(334 * block)  # 300.6 blocks: the cache fits, no swap block does
+    with pytest.raises(ValueError, match="no swap space fits: use preemption_mode='recompute'"):
+        kv_sizing.resolve_config(EngineConfig(**swap, swap_space_bytes=block), cfg)
+
+
+def test_accelerators_check_swap_space_against_the_host_alone(tiny_llama, free_memory, monkeypatch):
+    """On an accelerator the device cache is not in host memory: swap may take all 90%."""
+    cfg = tiny_llama.config
+    block = bytes_per_block(cfg, 16, "float32")
+    free_memory(1000 * block)
+    monkeypatch.setattr(kv_sizing.jax, "local_devices", lambda: [_Accelerator("gpu:0", None)])
+    monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
+    config = EngineConfig(**SMALL, num_blocks=300, preemption_mode="swap", swap_space_bytes=900 * block,
+                          attention_backend="reference", kv_cache_dtype="float32")
+    assert kv_sizing.resolve_config(config, cfg).num_blocks == 300
+    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is 901 host blocks .*the test's host") as err:
+        kv_sizing.resolve_config(dataclasses.replace(config, swap_space_bytes=901 * block), cfg)
+    assert "on top of the KV cache" not in str(err.value)
