@@ -40,7 +40,7 @@ serves any request.
 
 from __future__ import annotations
 
-from paged_jax.core.block_pool import check_int
+from paged_jax.core.block_pool import FREE, NULL, RESERVED, USED, check_int
 
 CONTIGUOUS_POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
@@ -119,6 +119,16 @@ class ContiguousAllocator:
 
     def _first_fit(self, num_blocks: int) -> int | None:
         return next((start for start, length in self.free_gaps() if length >= num_blocks), None)
+
+    def block_states(self) -> tuple[str, str]:
+        """(device, host) block states as BlockManager.block_states gives them: a run's
+        blocks its tokens fill so far are used, the rest of the run reserved; no host pool."""
+        out = bytearray([FREE]) * self.num_blocks
+        out[0] = NULL
+        for seq_id, (start, length) in self._runs.items():
+            written = self.num_blocks_needed(self._num_tokens[seq_id])
+            out[start:start + length] = bytes([USED]) * written + bytes([RESERVED]) * (length - written)
+        return out.decode("ascii"), ""
 
     def reservation(self, seq_id: int) -> tuple[int, int]:
         """(first block, blocks reserved) of the sequence's run."""

@@ -93,6 +93,10 @@ class BlockManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
+    def block_states(self) -> tuple[str, str]:
+        """(device, host) pools' block states (BlockPool.block_states), for pictures."""
+        return self._device.block_states(), self._host.block_states()
+
     @property
     def num_seqs_held(self) -> int:  # sequences with a block table (device or swapped)
         return len(self._tables)

@@ -27,6 +27,14 @@ def check_int(name: str, value, minimum: int) -> None:
 
 NULL_BLOCK_ID = 0
 
+# A block's state in a picture of the pool (BlockPool.block_states): the ASCII digit of its
+# index here, so that a pool of thousands of blocks is one short string. Contiguous
+# baselines (baselines/contiguous_allocator.py) add "reserved" (in a reservation, not yet
+# written) and "fragment" (free, in a gap too short for the next waiting request's
+# reservation: external fragmentation; engine/pool_snapshot.py marks it).
+BLOCK_STATES = ("free", "used", "shared", "cached", "null", "reserved", "fragment")
+FREE, USED, SHARED, CACHED, NULL, RESERVED, FRAGMENT = b"0123456"
+
 
 @dataclass(eq=False)  # identity semantics: blocks are hashed and compared as objects
 class KVCacheBlock:
@@ -185,6 +193,22 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
+
+    def block_states(self) -> str:
+        """One character per block, by block id: BLOCK_STATES' codes (free, used by one
+        table, shared by several, free but still in the prefix cache, the null block).
+        For pictures of the pool (engine/pool_snapshot.py); O(num_blocks), no allocation
+        beyond the string."""
+        out = bytearray([FREE]) * self.num_blocks
+        for block in self.blocks:
+            refs = block.ref_count
+            if refs:
+                out[block.block_id] = USED if refs == 1 else SHARED
+            elif block.block_key is not None:
+                out[block.block_id] = CACHED
+        if self.null_block is not None:
+            out[NULL_BLOCK_ID] = NULL
+        return out.decode("ascii")
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1.
