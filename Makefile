@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: serve test install install-test clean
 
@@ -18,6 +19,9 @@ $(VENV)/.runtime-installed: pyproject.toml
 $(VENV)/.test-installed: $(VENV)/.runtime-installed
 	# torch==2.13.0 stays pinned: the CPU build on disk (unpinned, pip pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet -e '.[test]' 'torch==2.13.0'
+	# Chromium for the /dashboard browser test (Playwright drives the system's; it downloads none).
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
 	touch $@
 
 install: $(VENV)/.runtime-installed

@@ -47,12 +47,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes the server to the network).",
                         flag_values=flag_values)
     flags.DEFINE_integer("port", 8000, "TCP port.", flag_values=flag_values)
-    flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>'.",
+    flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>' (and "
+                        "/dashboard the key too: open /dashboard?key=<key>).",
                         flag_values=flag_values)
     flags.DEFINE_integer("max_waiting_requests", 256,
                          "Waiting sequences (plus those not yet queued) at which new requests get 503.",
                          flag_values=flag_values)
     flags.DEFINE_integer("max_request_body_bytes", 1 << 20, "Larger request bodies get 413.", flag_values=flag_values)
+    flags.DEFINE_float("dashboard_max_rate", 4.0, "/dashboard: KV-pool snapshots per second at most, taken only "
+                       "while a viewer is open (all viewers share each one).", flag_values=flag_values)
     flags.DEFINE_float("shutdown_timeout", 5.0, "On SIGINT/SIGTERM, seconds running requests get to finish before "
                        "the engine aborts them (new requests get 503 meanwhile).", flag_values=flag_values)
     flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
@@ -100,10 +103,12 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         sys.exit(STARTUP_FAILED_STATUS)
     settings = ServerSettings(served_model_name=f.served_model_name or f.model, api_key=f.api_key,
                               max_waiting_requests=f.max_waiting_requests,
-                              max_request_body_bytes=f.max_request_body_bytes)
+                              max_request_body_bytes=f.max_request_body_bytes,
+                              dashboard_max_rate=f.dashboard_max_rate)
     print(f"serving {settings.served_model_name!r} at http://{f.host}:{f.port}/v1 "
           f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
-          f"{engine.config.block_size}, attention {engine.config.attention_backend})", file=sys.stderr)
+          f"{engine.config.block_size}, attention {engine.config.attention_backend}); the KV pool live at "
+          f"http://{f.host}:{f.port}/dashboard", file=sys.stderr)
     # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
     try:
         multihost.run(engine, lambda: serve(build_app(engine, settings), host=f.host, port=f.port,

@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
-/health and /metrics, in front of one EngineLoop.
+/health, /metrics and the KV-pool /dashboard (dashboard.py), in front of one EngineLoop.
 
 `build_app(engine, settings)` takes an already built LLMEngine (warm-up done), so a test
 or a notebook can serve the engine it holds. The engine thread starts with the app's
@@ -45,6 +45,7 @@ from pydantic import BaseModel, ValidationError
 
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai import tokenize_routes
+from paged_jax.entrypoints.openai.dashboard import DashboardFeed, register_dashboard_routes
 from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
                                                      QueueFull, RequestAborted)
 from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
@@ -67,6 +68,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
     max_waiting_requests: int = 256  # waiting sequences (+ not yet queued) before new requests get 503
     max_request_body_bytes: int = 1 << 20  # larger bodies get 413
+    dashboard_max_rate: float = 4.0  # /dashboard: KV-pool snapshots per second at most, while someone watches
 
 
 class _ClientGone(Exception):
@@ -76,7 +78,14 @@ class _ClientGone(Exception):
 def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = ServerMetrics(lambda: loop.stats())  # engine state is read at scrape time
-    loop = EngineLoop(engine, max_waiting_requests=settings.max_waiting_requests, on_step=metrics.observe_step)
+
+    def on_step(outputs) -> None:  # on the engine thread
+        metrics.observe_step(outputs)
+        dashboard.on_step(outputs)
+
+    loop = EngineLoop(engine, max_waiting_requests=settings.max_waiting_requests, on_step=on_step,
+                      on_iteration=lambda: dashboard.on_iteration())
+    dashboard = DashboardFeed(loop, max_rate=settings.dashboard_max_rate)
     created = int(time.time())
     max_model_len = engine.config.max_model_len
     logprobs_limit = rm.max_logprobs(engine)
@@ -84,6 +93,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        dashboard.start()
         loop.start()
         try:
             yield
@@ -97,6 +107,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="paged_jax OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_loop, app.state.metrics, app.state.settings = loop, metrics, settings
+    app.state.dashboard = dashboard
     install_error_handlers(app, on_api_error=metrics.observe_refusal)
     app.add_middleware(HTTPGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
 
@@ -275,6 +286,9 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     tokenize_routes.register_tokenize_routes(app, engine, api_key=settings.api_key, parse_body=parse_body,
                                              check_model=check_model, run_tokenizer=tokenize)  # /tokenize, ...
+
+    register_dashboard_routes(app, dashboard, api_key=settings.api_key,
+                              served_model_name=settings.served_model_name)  # /dashboard, its snapshots
 
     @app.get("/v1/models", responses=responses(401))
     async def models() -> ModelList:

@@ -79,14 +79,19 @@ class EngineRequest:
 
 class EngineLoop:
     def __init__(self, engine, *, max_waiting_requests: int = 256,
-                 on_step: Callable[[list[EngineCoreOutput]], None] | None = None):
+                 on_step: Callable[[list[EngineCoreOutput]], None] | None = None,
+                 on_iteration: Callable[[], None] | None = None):
         """`engine`: an LLMEngine; this loop drives its core and its processor (prompt
-        checks), with its own OutputProcessor on the event loop."""
+        checks), with its own OutputProcessor on the event loop. `on_step(outputs)` runs
+        on the engine thread after each step that produced outputs; `on_iteration()` after
+        every iteration (commands applied, a step run or not: the engine is between steps
+        and may be read, as the dashboard's snapshots do)."""
         self.engine = engine
         self.core = engine.core
         self.output_processor = OutputProcessor(engine.tokenizer)  # event-loop thread only
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step  # called on the engine thread after each step (metrics)
+        self._on_iteration = on_iteration
         self._cond = threading.Condition()
         self._commands: list[tuple] = []  # guarded by _cond
         self._num_pending = 0  # sequences submitted, not yet counted in _num_waiting (guarded)
@@ -183,6 +188,12 @@ class EngineLoop:
             self._commands.append(("abort", list(request_ids)))
             self._cond.notify()
 
+    def wake(self) -> None:
+        """Run one iteration even when idle (so `on_iteration` sees the engine now)."""
+        with self._cond:
+            self._commands.append(("wake",))
+            self._cond.notify()
+
     def finish_sequence(self, request_id: str, index: int, stop: str) -> None:
         """End completion `index` of a request, stopped by stop string `stop` (front end)."""
         with self._cond:
@@ -220,6 +231,8 @@ class EngineLoop:
             if outputs and self._on_step is not None:
                 self._on_step(outputs)
             self._publish(added)
+            if self._on_iteration is not None:
+                self._on_iteration()
 
     def _fail(self, exc: Exception) -> None:
         """Mark the engine dead (new submits are refused from here on), give every request
@@ -239,6 +252,8 @@ class EngineLoop:
 
     def _apply(self, command) -> int:
         """Apply one command; returns the sequences it took off the pending count."""
+        if command[0] == "wake":
+            return 0
         if command[0] == "abort_all":
             return self._abort_all(EngineUnavailable(command[1]))
         if command[0] == "abort":
