@@ -41,7 +41,7 @@ def test_notebook_runs_top_to_bottom():
     outputs = [o for c in _code_cells(nb) for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     pngs = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
-    assert len(pngs) == 2, "the allocator plot and the block-size plot"
+    assert len(pngs) == 3, "the block map, the allocator plot and the block-size plot"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     for expected in ("The capital of France is Paris",  # generated text
                      "logical  physical  positions  filled  holders",  # a block table
