@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import math
-import secrets
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from paged_jax.engine.pool_snapshot import take_snapshot
 from paged_jax.entrypoints.openai.errors import APIError
+from paged_jax.entrypoints.openai.http_guards import bearer_key_matches
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +149,10 @@ def register_dashboard_routes(app: FastAPI, feed: DashboardFeed, *, api_key: str
     def check_key(request: Request) -> None:
         if api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            given = token.strip()
-        else:
-            given = request.query_params.get("key", "")
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
+        authorization = request.headers.get("authorization", "")
+        if not authorization:  # a browser's EventSource sends no header: the key is in the URL
+            authorization = "Bearer " + request.query_params.get("key", "")
+        if not bearer_key_matches(authorization, api_key):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or open "
                                 "/dashboard?key=<key>", code="invalid_api_key")
 

@@ -13,6 +13,13 @@ import secrets
 from paged_jax.entrypoints.openai.errors import APIError
 
 
+def bearer_key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an Authorization header value is `Bearer <api_key>` (compared in constant
+    time). The one check behind /v1 (here), the tokenizer routes and /dashboard."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
 class HTTPGuards:
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, protected_prefix: str = "/v1"):
         self.app, self.api_key, self.max_body_bytes, self.prefix = app, api_key, max_body_bytes, protected_prefix
@@ -51,8 +58,7 @@ class HTTPGuards:
         await self.app(scope, replay_receive, send)
 
     def _authorized(self, headers: dict) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        return bearer_key_matches(headers.get("authorization", ""), self.api_key)
 
     def _too_large(self, size: int) -> APIError:
         return APIError(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "

@@ -33,7 +33,6 @@ REQUEST_MODELS, which build_app puts in the document's components).
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -42,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai.errors import APIError, bad_request
+from paged_jax.entrypoints.openai.http_guards import bearer_key_matches
 from paged_jax.entrypoints.openai.openapi_docs import body_doc, responses
 from paged_jax.entrypoints.openai.protocol import LIMIT, TOKEN_ID, ChatMessage
 
@@ -188,8 +188,7 @@ def _api_key_dependency(api_key: str | None):
     async def require_api_key(request: Request) -> None:
         if api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())):
+        if not bearer_key_matches(request.headers.get("authorization", ""), api_key):
             raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
     return require_api_key
