@@ -10,7 +10,8 @@ all made by host-side Python that needs no model. So the simulator builds a real
 LLMEngine (scheduler, BlockManager or ContiguousAllocator, stop checks, outputs, stats)
 through its injection points (experiments/simulator/simulator.py): a runner that samples a fixed token per scheduled row
 instead of running a model and a virtual clock that each step advances by a step-time
-model fitted to the real engine (experiments/simulator/step_time_model.py, fitted by
+model fitted to the real engine (runs of quiet decode steps are applied directly, with
+the same effect: experiments/simulator/fast_forward.py) (experiments/simulator/step_time_model.py, fitted by
 experiments/calibrate_step_time.py). Requests join at their virtual arrival times, run
 with ignore_eos and the trace's max_tokens, so their lengths are the trace's. Because it
 is the engine's own code, the schedule is the real engine's step for step
@@ -41,8 +42,8 @@ def _define_flags():
     from absl import flags
 
     from paged_jax.config.engine_config import KV_ALLOCATORS, PREEMPTION_MODES
-    flags.DEFINE_enum("workload", "alpaca", ["sharegpt", "alpaca"], "Length statistics of the trace (alpaca: 100,000 "
-                      "requests simulate in about a minute of CPU; sharegpt takes ~6x longer).")
+    flags.DEFINE_enum("workload", "alpaca", ["sharegpt", "alpaca"], "Length statistics of the trace (100,000 "
+                      "ShareGPT-like requests simulate in ~3 min on one core, paged).")
     flags.DEFINE_integer("num_requests", 100_000, "Requests in the trace.")
     flags.DEFINE_float("scale", 1.0, "Length scale of the trace (1.0: the data set's means).")
     flags.DEFINE_float("request_rate", None, "Poisson arrivals per second of virtual time; unset or inf: all at t = 0.")

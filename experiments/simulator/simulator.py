@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from experiments.simulator.fast_forward import DecodeFastForward
 from experiments.simulator.step_time_model import StepTimeModel, step_features
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
@@ -77,13 +78,21 @@ class Simulator:
     weights); `times` fills with each finished request's virtual times.
     """
 
-    def __init__(self, trace, config: EngineConfig, step_model: StepTimeModel, model_config):
+    def __init__(self, trace, config: EngineConfig, step_model: StepTimeModel, model_config, *,
+                 fast_forward: bool = True):
+        """`fast_forward`: apply runs of quiet decode steps directly (fast_forward.py: the
+        same schedule, state and figures, ~5x faster); False: every step through
+        engine.step() (what a test logging each schedule needs)."""
         if any(b.arrival_time < a.arrival_time for a, b in itertools.pairwise(trace)):
             raise ValueError("the trace must be sorted by arrival time")
         self.trace = trace
         make_engine, self.clock, _ = simulated_serving(model_config, step_model)
         self.engine = make_engine(config)
         self.times: dict[int, RequestTimes] = {}  # trace index -> times, filled as requests finish
+        core = self.engine.core
+        buckets = (core.config.seq_buckets, core.config.token_buckets) if step_model.bucketed else ()
+        self.fast_forward = (DecodeFastForward(self.engine, self.clock, step_model, SIMULATED_TOKEN_ID, buckets)
+                             if fast_forward else None)
 
     def run(self, progress=None) -> dict:
         """Serve the whole trace; returns the engine's stats plus latency and throughput
@@ -114,6 +123,8 @@ class Simulator:
                     finished += 1
             if progress is not None and finished:
                 progress(finished)
+            if self.fast_forward is not None and not finished:
+                self.fast_forward.advance(trace[next_index].arrival_time if next_index < len(trace) else math.inf)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
                 "cpu_seconds": cpu}

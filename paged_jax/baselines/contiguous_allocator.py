@@ -299,19 +299,23 @@ def kv_waste(bm, running, waiting_head) -> dict:
     slots count a block shared by several tables once per table.
     """
     internal = reservation = 0
-    for seq in running:
-        if not bm.has_seq(seq.seq_id):
+    contiguous, block_size = isinstance(bm, ContiguousAllocator), bm.block_size
+    for seq in running:  # every engine step runs this: kept lean (no per-sequence method dispatch)
+        seq_id = seq.seq_id
+        if not bm.has_seq(seq_id):
             continue
-        held = bm.num_tokens(seq.seq_id)
-        if isinstance(bm, ContiguousAllocator):
-            slots = bm.reservation(seq.seq_id)[1] * bm.block_size
+        held = bm.num_tokens(seq_id)
+        if contiguous:
+            slots = bm.reservation(seq_id)[1] * block_size
             final = bm.final_length(seq.final_num_tokens)
         else:
-            slots = bm.num_blocks_needed(held) * bm.block_size  # = its table's slots (invariant)
+            slots = -(-held // block_size) * block_size  # = its table's slots (invariant)
             final = seq.final_num_tokens
-        internal += max(slots - max(final, held), 0)
-        reservation += max(min(final, slots) - held, 0)
+        if slots > final and slots > held:
+            internal += slots - (final if final > held else held)
+        if final > held:
+            reservation += (final if final < slots else slots) - held
     external = 0
-    if isinstance(bm, ContiguousAllocator) and waiting_head is not None:
+    if contiguous and waiting_head is not None:
         external = bm.external_waste_slots(waiting_head.final_num_tokens)
     return {"internal": internal, "reservation": reservation, "external": external}

@@ -190,14 +190,11 @@ class Scheduler:
         # 3. waiting sequences, in queue order (FCFS or priority), while blocks and budget last
         while self.waiting and not preempted and not self.swapped and self._has_room():
             seq = self.waiting[0]
-            hits = ([] if seq.skip_reading_prefix_cache
-                    else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt))
-            num_cached = len(hits) * bm.block_size
-            missing = seq.num_tokens_to_compute - num_cached
-            num_new = self._fit_budget(missing)
-            final = seq.final_num_tokens  # contiguous allocators reserve for it; BlockManager ignores it
-            if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
+            plan = self._admission(seq, self._budget)
+            if plan is None:
                 break
+            hits, num_cached, num_new = plan
+            final = seq.final_num_tokens
             orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
                                        final_num_tokens=final, cache_salt=seq.cache_salt)
             assert orders == [], "a new sequence writes only into fresh blocks"
@@ -219,6 +216,30 @@ class Scheduler:
         return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
                                tuple(preempted), finished)
 
+    def _admission(self, seq: Sequence, budget: int):
+        """(cached blocks, cached tokens, tokens to compute now) if waiting `seq` fits
+        `budget` tokens and the free blocks (watermark kept), else None."""
+        bm = self.block_manager
+        hits = ([] if seq.skip_reading_prefix_cache
+                else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt))
+        num_cached = len(hits) * bm.block_size
+        missing = seq.num_tokens_to_compute - num_cached
+        num_new = self._fit_budget(missing, budget)
+        final = seq.final_num_tokens  # contiguous allocators reserve for it; BlockManager ignores it
+        if (missing and not num_new) or not bm.can_allocate(num_cached + num_new, hits, final_num_tokens=final):
+            return None
+        return hits, num_cached, num_new
+
+    def would_admit_after_decodes(self, num_decodes: int) -> bool:
+        """Whether a step that gave `num_decodes` running sequences one token each (their
+        slots already allocated) would go on to admit the head of the waiting queue, as
+        schedule()'s third phase decides. For callers that step many decodes without
+        schedule() (the simulator's fast-forward); changes nothing."""
+        if not self.waiting or self.swapped or num_decodes >= self.config.max_num_seqs:
+            return False
+        budget = self.config.max_num_batched_tokens - num_decodes
+        return budget > 0 and self._admission(self.waiting[0], budget) is not None
+
     def _to_running(self, seq: Sequence) -> None:
         if self.priority is None:
             self.running.append(seq)
@@ -228,11 +249,13 @@ class Scheduler:
     def _has_room(self) -> bool:
         return self._budget > 0 and len(self._chunks) < self.config.max_num_seqs
 
-    def _fit_budget(self, missing: int) -> int:
-        """All missing tokens if they fit the budget; else, with chunked prefill, what fits."""
-        if missing <= self._budget:
+    def _fit_budget(self, missing: int, budget: int | None = None) -> int:
+        """All missing tokens if they fit the budget (default: this step's left); else,
+        with chunked prefill, what fits."""
+        budget = self._budget if budget is None else budget
+        if missing <= budget:
             return missing
-        return self._budget if self.config.enable_chunked_prefill else 0
+        return budget if self.config.enable_chunked_prefill else 0
 
     def _num_new_tokens(self, seq: Sequence) -> int:
         return self._fit_budget(max(seq.num_tokens_to_compute - seq.num_computed_tokens, 0))

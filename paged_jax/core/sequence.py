@@ -23,8 +23,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self._value_ in _FINISHED_VALUES  # a str lookup: cheaper than enum comparisons per step
+
+
+_FINISHED_VALUES = frozenset({SequenceStatus.FINISHED_STOPPED.value, SequenceStatus.FINISHED_LENGTH.value,
+                              SequenceStatus.FINISHED_ABORTED.value})
 
 
 @dataclasses.dataclass(eq=False)

@@ -54,30 +54,50 @@ class EngineStats:
 
     def record_schedule(self, output) -> None:
         slots = self._bm.num_slots_allocated()
+        waste = None
         if slots:
-            self._utilization_sum += self._bm.num_tokens_held() / slots
-            self._utilization_steps += 1
             waiting = self._scheduler.waiting
-            for kind, waste in kv_waste(self._bm, self._scheduler.running, waiting[0] if waiting else None).items():
-                self._waste_sums[kind] += waste
-        self._blocks_without_sharing_sum += self._bm.num_blocks_without_sharing()
+            waste = kv_waste(self._bm, self._scheduler.running, waiting[0] if waiting else None)
+        self._add_schedule(slots, self._bm.num_tokens_held() if slots else 0, waste,
+                           self._bm.num_blocks_without_sharing())
+
+    def _add_schedule(self, slots: int, held: int, waste: dict | None, blocks_without_sharing: int) -> None:
+        """One step's KV figures, sampled after its allocation (`waste`: kv_waste's dict)."""
+        if slots:
+            self._utilization_sum += held / slots
+            self._utilization_steps += 1
+            for kind, slots_wasted in waste.items():
+                self._waste_sums[kind] += slots_wasted
+        self._blocks_without_sharing_sum += blocks_without_sharing
         self._blocks_used_sum += slots // self._bm.block_size
         self._waiting_at_schedule = bool(self._scheduler.waiting or self._scheduler.swapped)
 
     def record_step(self, output, step_seconds: float, device_seconds: float) -> None:
+        self._add_step(len(output.chunks), output.num_batched_tokens, sum(chunk.sample for chunk in output.chunks),
+                       step_seconds, device_seconds)
+
+    def _add_step(self, num_seqs: int, num_tokens: int, num_sampled: int, step_seconds: float,
+                  device_seconds: float) -> None:
         self.num_steps += 1
         self.device_seconds += device_seconds
         self.host_seconds += step_seconds - device_seconds
-        self.num_batched_tokens += output.num_batched_tokens
-        self.num_batched_seqs += len(output.chunks)
-        self.max_batched_seqs = max(self.max_batched_seqs, len(output.chunks))
+        self.num_batched_tokens += num_tokens
+        self.num_batched_seqs += num_seqs
+        self.max_batched_seqs = max(self.max_batched_seqs, num_seqs)
         if self._waiting_at_schedule:
             self.num_saturated_steps += 1
-            self.saturated_batched_seqs += len(output.chunks)
+            self.saturated_batched_seqs += num_seqs
             self.saturated_seconds += step_seconds
-            self.saturated_sampled_tokens += sum(chunk.sample for chunk in output.chunks)
-        self.step_log.append((len(output.chunks), output.num_batched_tokens, step_seconds - device_seconds,
-                              device_seconds))
+            self.saturated_sampled_tokens += num_sampled
+        self.step_log.append((num_seqs, num_tokens, step_seconds - device_seconds, device_seconds))
+
+    def record_decode_step(self, num_seqs: int, *, slots: int, held: int, waste: dict,
+                           blocks_without_sharing: int, step_seconds: float) -> None:
+        """What record_schedule + record_step add for a step of `num_seqs` one-token decodes
+        that ran without a SchedulerOutput (the simulator's fast-forward): its KV figures
+        after allocation as the caller tracked them, and its host seconds (no device)."""
+        self._add_schedule(slots, held, waste, blocks_without_sharing)
+        self._add_step(num_seqs, num_seqs, num_seqs, step_seconds, 0.0)
 
     def add_host_seconds(self, seconds: float) -> None:
         """Host work of the last recorded step done after it returned (the front end

@@ -108,7 +108,8 @@ def test_simulated_schedule_equals_the_real_engines(case, trace, tiny_llama):
     config = EngineConfig(**TINY, **CASES[case])
     real_log, real_times, real_stats = _run_real_engine(tiny_llama, trace, config)
 
-    sim = Simulator(trace, config, STEP_MODEL, configs.get_config("tiny_llama"))
+    # every step through schedule(), so each is logged (test_fast_forward.py: the fast-forward changes nothing)
+    sim = Simulator(trace, config, STEP_MODEL, configs.get_config("tiny_llama"), fast_forward=False)
     sim_log = _record(sim.engine, sim.clock)
     figures = sim.run()
 
@@ -130,7 +131,8 @@ def test_allocators_schedule_differently(trace):
     """The comparison above can tell allocators apart: their schedules differ."""
     logs = {}
     for case in ("paged", "contiguous-max"):
-        sim = Simulator(trace, EngineConfig(**TINY, **CASES[case]), STEP_MODEL, configs.get_config("tiny_llama"))
+        sim = Simulator(trace, EngineConfig(**TINY, **CASES[case]), STEP_MODEL, configs.get_config("tiny_llama"),
+                        fast_forward=False)
         logs[case] = _record(sim.engine, sim.clock)
         sim.run()
     assert logs["paged"] != logs["contiguous-max"]
