@@ -24,7 +24,8 @@ _RESULTS_DIR = flags.DEFINE_string("results_dir", os.path.join("experiments", "r
                                    "Directory of the results records (*.json).")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join("experiments", "plots"), "Where the PNGs go.")
 _ONLY = flags.DEFINE_list("only", None, "Plot names to make (default: all): utilization_waste, batched_timeline, "
-                                        "latency_vs_rate, block_size_sweep, sharing_savings, roofline.")
+                                        "latency_vs_rate, block_size_sweep, sharing_savings, roofline, "
+                                        "fleet_routing.")
 
 _DPI = 100  # 8 x 4.5 in at 100 dpi: readable on GitHub, ~50 KB per PNG
 _WASTE_KINDS = (("waste_internal_slots", "internal (reserved, never used)"),
@@ -286,6 +287,38 @@ def roofline(record: dict, out_dir: str, name: str = "roofline") -> str:
     return _save(fig, out_dir, name)
 
 
+def fleet_routing(record: dict, out_dir: str) -> str:
+    """fleet_routing: per routing policy, the fleet's prefix-cache hit rate, TTFT p50 / p90
+    and requests per replica (simulate_fleet.py's record)."""
+    plt = _pyplot()
+    runs, fl = record["figures"]["runs"], record.get("flags") or {}
+    policies = [r["policy"] for r in runs]
+    positions = list(range(len(runs)))
+    fig, (hit_ax, ttft_ax, load_ax) = plt.subplots(1, 3, figsize=(13.5, 4.5))
+    bars = hit_ax.bar(positions, [100 * r["prefix_cache_hit_rate"] for r in runs], color="tab:green")
+    hit_ax.bar_label(bars, fmt="%.1f%%")
+    hit_ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    hit_ax.set_ylim(0, 110)
+    width = 0.38
+    for offset, (key, label) in zip((-width / 2, width / 2), (("ttft_s_p50", "p50"), ("ttft_s_p90", "p90"))):
+        bars = ttft_ax.bar([p + offset for p in positions], [r[key] for r in runs], width, label=label)
+        ttft_ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ttft_ax.set_ylabel("time to first token (s, virtual)")
+    ttft_ax.legend(fontsize=8)
+    num_replicas = len(runs[0]["requests_per_replica"])
+    width = 0.8 / num_replicas
+    for r_index, run in enumerate(runs):
+        counts = run["requests_per_replica"]
+        load_ax.bar([r_index - 0.4 + width * (i + 0.5) for i in range(num_replicas)], counts, width,
+                    color=plt.cm.tab10(r_index))
+    load_ax.set_ylabel("requests per replica")
+    for ax in (hit_ax, ttft_ax, load_ax):
+        ax.set_xticks(positions, policies)
+    fig.suptitle(f"Simulated fleet: {num_replicas} replicas, {fl.get('num_requests')} {fl.get('workload')} requests "
+                 f"({fl.get('num_prefixes')} prefixes of {fl.get('prefix_len')} tokens) at {fl.get('request_rate')}/s")
+    return _save(fig, out_dir, "fleet_routing")
+
+
 # plot name -> (results file it reads, function)
 PLOTS = {
     "utilization_waste": ("benchmark_throughput.json", utilization_waste),
@@ -296,6 +329,7 @@ PLOTS = {
     "block_size_sweep": ("sweep_block_size.json", block_size_sweep),
     "sharing_savings": ("sharing_savings.json", sharing_savings),
     "roofline": ("roofline.json", roofline),
+    "fleet_routing": ("simulate_fleet.json", fleet_routing),
 }
 
 

@@ -1,0 +1,24 @@
+"""README row of the fleet simulation record (experiments/simulate_fleet.py): per routing
+policy, the fleet's prefix-cache hit rate, TTFT p50 / p90, throughput and balance.
+
+Split from results_rows.py as peer_rows.py is (results_rows imports it into BUILDERS
+after defining the shared helpers, `rr.*` here, read at call time).
+"""
+
+from __future__ import annotations
+
+from experiments.reporting import results_rows as rr
+
+
+def simulate_fleet(record: dict) -> list:
+    fig, flags = record["figures"], record["flags"]
+    parts = []
+    for r in fig["runs"]:
+        counts = r["requests_per_replica"]
+        parts.append(f"{r['policy']}: hit rate {100 * r['prefix_cache_hit_rate']:.1f}%, TTFT p50 "
+                     f"{r['ttft_s_p50']:.2f} s / p90 {r['ttft_s_p90']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s, "
+                     f"{min(counts)}-{max(counts)} requests per replica, {r['wall_seconds']:.0f} s wall")
+    return [((f"simulated fleet (engine bookkeeping, modelled step times), {flags.get('num_replicas')} replicas of "
+              f"{fig['num_blocks_per_replica']} KV blocks, {flags.get('num_requests')} {flags.get('workload')} "
+              f"requests ({flags.get('num_prefixes')} prefixes of {flags.get('prefix_len')} tokens) at "
+              f"{flags.get('request_rate')}/s: per routing policy"), "; ".join(parts) + rr._cpu_note(record))]
