@@ -338,6 +338,7 @@ from experiments.reporting import eval_rows  # noqa: E402  (lm_eval_run's row)
 from experiments.reporting import hardening_rows  # noqa: E402  (the soak's and the fuzz run's rows)
 from experiments.reporting import dashboard_rows  # noqa: E402  (the dashboard's cost)
 from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulation)
+from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
 from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
                                              step_shape_costs, step_time_vs_cache_size)
 
@@ -354,7 +355,7 @@ BUILDERS = {
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
     "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
     "fuzz_server": hardening_rows.fuzz_server, "dashboard_cost": dashboard_rows.dashboard_cost,
-    "simulate_fleet": fleet_rows.simulate_fleet,
+    "simulate_fleet": fleet_rows.simulate_fleet, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak", "fuzz_server",

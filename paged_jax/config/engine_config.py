@@ -75,6 +75,9 @@ class EngineConfig:
     # the KV pool's self-check (engine/pool_check.py): a leaked block, table or request is reported (an error
     # log, stats num_pool_check_failures, a metric), never served on silently
     pool_check: str = "idle"  # "idle": counts whenever the engine falls idle | "step": full walk after every step | "off"
+    # disaggregated prefill / decode (engine/kv_transfer.py): prompt K/V blocks leave one engine and enter
+    # another's prefix cache; needs paged blocks with prefix caching
+    kv_transfer: bool = False  # this engine exports / imports prompt K/V blocks; warm-up compiles the block moves
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -99,6 +102,9 @@ class EngineConfig:
             object.__setattr__(self, "enable_prefix_caching", False)  # contiguous baselines share nothing
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_transfer and (self.kv_allocator != "paged" or not self.enable_prefix_caching):
+            raise ValueError("kv_transfer needs kv_allocator='paged' with enable_prefix_caching=True: imported blocks "
+                             "enter the prefix cache")
         if self.pool_check not in POOL_CHECKS:
             raise ValueError(f"pool_check must be one of {POOL_CHECKS}, got {self.pool_check!r}")
         if self.layer_loop not in LAYER_LOOPS:

@@ -32,6 +32,7 @@ from paged_jax.core.sequence import Sequence, SequenceStatus
 from paged_jax.engine.beam_orchestration import advance_beams, beam_results
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
+from paged_jax.engine.kv_transfer import PromptKV, export_prompt_kv, import_prompt_kv
 from paged_jax.engine.pool_check import PoolChecker
 from paged_jax.engine.processor import validate_prompt_token_ids
 from paged_jax.engine.structured_outputs import StructuredOutputManager
@@ -214,6 +215,25 @@ class EngineCore:
         if request.finished:
             self._drop(request)
         self.pool_checker.check(self)
+
+    def export_prompt_kv(self, prompt_token_ids, *, cache_salt: str | None = None) -> PromptKV | None:
+        """The K/V of the prompt's blocks in this engine's prefix cache (kv_transfer.py)."""
+        self._require_kv_transfer()
+        return export_prompt_kv(self.block_manager, self.runner, prompt_token_ids, cache_salt=cache_salt)
+
+    def import_prompt_kv(self, kv: PromptKV) -> int:
+        """Adopt another engine's prompt K/V into this one's prefix cache (kv_transfer.py);
+        returns the blocks written. Call it right before adding the request."""
+        self._require_kv_transfer()
+        scratch = self._next_seq_id
+        self._next_seq_id += 1
+        written = import_prompt_kv(self.block_manager, self.runner, kv, scratch)
+        self.stats_tracker.num_imported_blocks += written
+        return written
+
+    def _require_kv_transfer(self) -> None:
+        if not self.config.kv_transfer:
+            raise ValueError("this engine was built without kv_transfer=True (EngineConfig): it moves no prompt K/V")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -128,6 +128,16 @@ class LLMEngine:
         """Forget every cached prefix block (e.g. between benchmark runs); returns how many."""
         return self.core.reset_prefix_cache()
 
+    def export_prompt_kv(self, prompt_token_ids, *, cache_salt: str | None = None):
+        """Disaggregated prefill: the K/V of the prompt's cached blocks as a PromptKV, or None
+        (engine/kv_transfer.py; needs EngineConfig(kv_transfer=True))."""
+        return self.core.export_prompt_kv(prompt_token_ids, cache_salt=cache_salt)
+
+    def import_prompt_kv(self, kv) -> int:
+        """Disaggregated decode: adopt a PromptKV into this engine's prefix cache before adding
+        its request; returns the blocks written."""
+        return self.core.import_prompt_kv(kv)
+
     def stats(self) -> dict:
         return self.core.stats()
 

@@ -48,6 +48,7 @@ class EngineStats:
         # sustains under load (the paper's sustained rate), without the end-of-trace drain
         self.saturated_seconds = 0.0
         self.saturated_sampled_tokens = 0
+        self.num_imported_blocks = 0  # prompt K/V blocks adopted from another engine (kv_transfer.py)
         self._compilations_at_warm_up = runner.num_compilations
         # (num_seqs, num_tokens, host_seconds, device_seconds) of recent steps
         self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG_LENGTH)
@@ -131,6 +132,7 @@ class EngineStats:
             "prefix_cache_hit_tokens": self._scheduler.prefix_cache_hit_tokens,
             "num_blocks_cached": bm.num_blocks_cached,
             "num_prefix_cache_evictions": bm.num_evictions,
+            "num_imported_blocks": self.num_imported_blocks,
             "num_blocks_used": bm.num_slots_allocated() // bm.block_size,
             "num_blocks_without_sharing": bm.num_blocks_without_sharing(),
             "mean_blocks_used": self._blocks_used_sum / steps,

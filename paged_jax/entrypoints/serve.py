@@ -60,6 +60,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "the engine aborts them (new requests get 503 meanwhile).", flag_values=flag_values)
     flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                       "uvicorn log level (info logs every request).", flag_values=flag_values)
+    flags.DEFINE_enum("kv_connector", "none", ["none", "jax_transfer"], "Disaggregated prefill / decode: how this "
+                      "server moves prompt K/V (jax_transfer: jax.experimental.transfer; needs --kv_transfer). A "
+                      "request's kv_transfer_params then say whether it is a prefill or a decode.",
+                      flag_values=flag_values)
     flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default "
                         "~/.cache/paged_jax/jax).", flag_values=flag_values)
     engine_flags.define_engine_flags(flag_values=flag_values)
@@ -91,6 +95,8 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         distributed = multihost.config_from_flags(f)
     except ValueError as exc:
         raise app.UsageError(str(exc)) from exc
+    if f.kv_connector != "none" and not config.kv_transfer:
+        raise app.UsageError("--kv_connector needs --kv_transfer (the engine compiles its block moves)")
     multihost.initialize(distributed)  # before anything touches a device
     enable_compilation_cache(f.compilation_cache_dir)
     print(f"loading {f.model} and compiling the engine's buckets ...", file=sys.stderr)
@@ -105,14 +111,19 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                               max_waiting_requests=f.max_waiting_requests,
                               max_request_body_bytes=f.max_request_body_bytes,
                               dashboard_max_rate=f.dashboard_max_rate)
+    connector = None
+    if f.kv_connector != "none":
+        from paged_jax.distributed.kv_connector import make_connector
+        connector = make_connector(f.kv_connector)
+        print(f"KV connector {f.kv_connector} at {getattr(connector, 'address', 'in process')}", file=sys.stderr)
     print(f"serving {settings.served_model_name!r} at http://{f.host}:{f.port}/v1 "
           f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
           f"{engine.config.block_size}, attention {engine.config.attention_backend}); the KV pool live at "
           f"http://{f.host}:{f.port}/dashboard", file=sys.stderr)
     # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
     try:
-        multihost.run(engine, lambda: serve(build_app(engine, settings), host=f.host, port=f.port,
-                                            log_level=f.log_level, grace=f.shutdown_timeout))
+        multihost.run(engine, lambda: serve(build_app(engine, settings, kv_connector=connector), host=f.host,
+                                            port=f.port, log_level=f.log_level, grace=f.shutdown_timeout))
     except EngineDead as exc:  # the traceback was logged by the engine thread when it failed
         print(f"server stopped: {exc}; exiting with status {ENGINE_FAILED_STATUS}", file=sys.stderr)
         sys.exit(ENGINE_FAILED_STATUS)

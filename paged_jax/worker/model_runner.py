@@ -50,15 +50,15 @@ from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
+from paged_jax.worker.block_moves import BlockMovesMixin
 from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import (StepResult, greedy_head, greedy_head_masked, prompt_logprob_head, sampled_head,
                                         sampled_head_masked)
 
-SWAP_CHUNK = 16  # blocks moved per swap call: a fixed shape, compiled at warm-up
 
 
-class ModelRunner:
+class ModelRunner(BlockMovesMixin):
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder,
                  structured_outputs: bool = False):
@@ -290,10 +290,8 @@ class ModelRunner:
                                                 np.zeros(PROMPT_LOGPROB_ROWS, np.int32)))
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
-        if self.host_cache["k"].shape[1]:  # swapping moves SWAP_CHUNK blocks per call
-            null = np.zeros(SWAP_CHUNK, np.int32)
-            jax.block_until_ready(self._gather_blocks(self.kv_cache, null))
-            self._swap_in_blocks(np.full(SWAP_CHUNK, self.num_blocks, np.int32), null)
+        if self.host_cache["k"].shape[1] or self.config.kv_transfer:  # swaps / prompt K/V moves (block_moves.py)
+            self.warm_up_block_moves()
 
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (num_seqs, num_tokens) bucket a step can have: what warm-up compiles."""
@@ -352,42 +350,8 @@ class ModelRunner:
         self.device_seconds += time.perf_counter() - start
         return result
 
-    def _do_swap_out(self, pairs) -> None:
-        """Device blocks -> host blocks, SWAP_CHUNK at a time (one compiled shape)."""
-        start = time.perf_counter()
-        for chunk in _chunks(pairs):
-            src = np.zeros(SWAP_CHUNK, np.int32)
-            src[: len(chunk)] = [d for d, _ in chunk]
-            k, v = self._gather_blocks(self.kv_cache, src)
-            host = [h for _, h in chunk]
-            self.host_cache["k"][:, host] = np.asarray(k)[:, : len(chunk)]
-            self.host_cache["v"][:, host] = np.asarray(v)[:, : len(chunk)]
-        self.device_seconds += time.perf_counter() - start
-
-    def _do_swap_in(self, pairs) -> None:
-        """Host blocks -> device blocks, SWAP_CHUNK at a time."""
-        start = time.perf_counter()
-        for chunk in _chunks(pairs):
-            dst = np.full(SWAP_CHUNK, self.num_blocks, np.int32)  # out of range: dropped
-            dst[: len(chunk)] = [d for _, d in chunk]
-            src = np.zeros(SWAP_CHUNK, np.int32)
-            src[: len(chunk)] = [h for h, _ in chunk]
-            self._swap_in_blocks(dst, src)
-        self.device_seconds += time.perf_counter() - start
-
-    def _swap_in_blocks(self, dst: np.ndarray, host_src: np.ndarray) -> None:
-        k, v = self.host_cache["k"][:, host_src], self.host_cache["v"][:, host_src]
-        if self.mesh is not None:  # each device receives only its heads of the blocks
-            k, v = (tp.place(a, tp.cache_sharding(self.mesh)) for a in (k, v))
-        self.kv_cache = self._swap_in(self.kv_cache, dst, k, v)
-
 
 def _step_inputs(batch: BatchInputs) -> BatchInputs:
     """The batch without the fields only the heads read (the token bitmask, prompt targets):
     the model step would otherwise receive (copy) them every step for nothing."""
     return batch._replace(token_bitmask=None, use_mask=None, prompt_targets=None)
-
-
-def _chunks(pairs):
-    pairs = list(pairs)
-    return [pairs[i:i + SWAP_CHUNK] for i in range(0, len(pairs), SWAP_CHUNK)]

@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from paged_jax.entrypoints.openai import kv_transfer_params as kvt
 from paged_jax.entrypoints.openai import request_mapping as rm
 from paged_jax.entrypoints.openai import tokenize_routes
 from paged_jax.entrypoints.openai.dashboard import DashboardFeed, register_dashboard_routes
@@ -75,8 +76,13 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=None) -> FastAPI:
+    """`kv_connector` (paged_jax/distributed/kv_connector.py; the engine built with
+    kv_transfer=True): this server takes part in disaggregated prefill / decode
+    (kv_transfer_params.py)."""
     settings = settings or ServerSettings()
+    if kv_connector is not None and not engine.config.kv_transfer:
+        raise ValueError("a KV connector needs an engine built with kv_transfer=True")
     metrics = ServerMetrics(lambda: loop.stats())  # engine state is read at scrape time
 
     def on_step(outputs) -> None:  # on the engine thread
@@ -84,7 +90,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         dashboard.on_step(outputs)
 
     loop = EngineLoop(engine, max_waiting_requests=settings.max_waiting_requests, on_step=on_step,
-                      on_iteration=lambda: dashboard.on_iteration())
+                      on_iteration=lambda: dashboard.on_iteration(), kv_connector=kv_connector)
     dashboard = DashboardFeed(loop, max_rate=settings.dashboard_max_rate)
     created = int(time.time())
     max_model_len = engine.config.max_model_len
@@ -152,6 +158,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 
     async def run(request: Request, builder: ResponseBuilder, group: list[EngineRequest], stream_mode: bool,
                   include_usage: bool):
+        """Serve the group; a whole answer of an export request carries its kv_transfer_params."""
         recorder = RequestRecorder(metrics)
         stream = await submit(group, "messages" if builder.chat else "prompt")
         watcher = asyncio.create_task(watch_disconnect(request, stream))
@@ -171,7 +178,11 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
                 if stream.aborted or not stream.finished:
                     stream.abort()
                     recorder.abort()
-            return JSONResponse(builder.response([finals[r.request_id] for r in group]).model_dump())
+            answer = builder.response([finals[r.request_id] for r in group])
+            if group[0].kv_export:
+                answer.kv_transfer_params = (loop.take_kv_transfer_params(group[0].request_id)
+                                             or {"do_remote_prefill": True, "connector": None, "num_tokens": 0})
+            return JSONResponse(answer.model_dump())
         return StreamingResponse(_sse(stream, recorder, watcher, builder, group, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -248,8 +259,11 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         prompts = rm.completion_prompts(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
+        transfer = kvt.mode(body, kv_connector, len(prompt_ids), params.n)
+        kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids[0]) if transfer == "import" else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params, body.priority)
+        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params, body.priority,
+                               kv_import=kv, kv_export=transfer == "export")
                  for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
@@ -273,9 +287,11 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         messages = rm.chat_messages(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.chat_prompt_ids, messages, engine.tokenizer)
+        transfer = kvt.mode(body, kv_connector, 1, params.n)
+        kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids) if transfer == "import" else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params,
-                               body.priority)]
+                               body.priority, kv_import=kv, kv_export=transfer == "export")]
         builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[group[0].request_id], n=params.n, tokenizer=engine.tokenizer,
                                   logprobs=logprobs, return_token_ids=body.return_token_ids, echo=body.echo,

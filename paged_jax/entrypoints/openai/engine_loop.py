@@ -75,17 +75,20 @@ class EngineRequest:
     prompt: Any  # whatever LLMEngine.add_request takes; the server sends {"prompt_token_ids": [...][, "cache_salt": s]}
     params: SamplingParams
     priority: int = 0  # lower runs earlier (scheduling_policy="priority"; must be 0 under "fcfs")
+    kv_import: Any = None  # a PromptKV to adopt into the prefix cache first (a decode server's request)
+    kv_export: bool = False  # once finished, export the prompt's K/V through the loop's connector (prefill server)
 
 
 class EngineLoop:
     def __init__(self, engine, *, max_waiting_requests: int = 256,
                  on_step: Callable[[list[EngineCoreOutput]], None] | None = None,
-                 on_iteration: Callable[[], None] | None = None):
+                 on_iteration: Callable[[], None] | None = None, kv_connector=None):
         """`engine`: an LLMEngine; this loop drives its core and its processor (prompt
         checks), with its own OutputProcessor on the event loop. `on_step(outputs)` runs
         on the engine thread after each step that produced outputs; `on_iteration()` after
         every iteration (commands applied, a step run or not: the engine is between steps
-        and may be read, as the dashboard's snapshots do)."""
+        and may be read, as the dashboard's snapshots do). `kv_connector`: saves the
+        prompt K/V of finished `kv_export` requests (kv_transfer_params.py)."""
         self.engine = engine
         self.core = engine.core
         self.output_processor = OutputProcessor(engine.tokenizer)  # event-loop thread only
@@ -101,6 +104,9 @@ class EngineLoop:
         self._draining = False  # shutting down: new requests are refused, running ones go on
         self._num_streams = 0  # requests with a listener at the last publish (guarded)
         self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
+        self.kv_connector = kv_connector
+        self._kv_exports: dict[str, tuple[list[int], str | None]] = {}  # engine thread only: prompt, salt
+        self._kv_params: dict[str, dict] = {}  # request id -> saved K/V's params (guarded)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None  # set if the engine thread failed: the engine is unusable
@@ -225,6 +231,8 @@ class EngineLoop:
                 return
             outputs = core.step() if core.has_unfinished_requests() else []
             for out in outputs:
+                if out.finished and out.request_id in self._kv_exports:
+                    self._export_kv(out.request_id)  # before its handler hears it finished
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
@@ -233,6 +241,19 @@ class EngineLoop:
             self._publish(added)
             if self._on_iteration is not None:
                 self._on_iteration()
+
+    def _export_kv(self, request_id: str) -> None:
+        """Save a finished prefill request's prompt K/V (its blocks are cached free now)."""
+        token_ids, salt = self._kv_exports.pop(request_id)
+        kv = self.core.export_prompt_kv(token_ids, cache_salt=salt)
+        params = {"connector": None, "num_tokens": 0} if kv is None else self.kv_connector.save(request_id, kv)
+        with self._cond:
+            self._kv_params[request_id] = {**params, "do_remote_prefill": True}
+
+    def take_kv_transfer_params(self, request_id: str) -> dict | None:
+        """The params a finished export request's K/V were saved under (once)."""
+        with self._cond:
+            return self._kv_params.pop(request_id, None)
 
     def _fail(self, exc: Exception) -> None:
         """Mark the engine dead (new submits are refused from here on), give every request
@@ -259,6 +280,7 @@ class EngineLoop:
         if command[0] == "abort":
             for request_id in command[1]:
                 self.core.abort_request(request_id)
+                self._kv_exports.pop(request_id, None)
                 sink = self._sinks.pop(request_id, None)
                 if sink is not None:
                     sink(RequestAborted(request_id))
@@ -268,17 +290,23 @@ class EngineLoop:
             self.core.finish_sequence(request_id, index, stop)
             if not self.core.has_request(request_id):
                 self._sinks.pop(request_id, None)
+                self._kv_exports.pop(request_id, None)  # its handler answers without K/V (computed again)
             return 0
         _, requests, deliver, num_seqs = command
         done = []
         try:
             for r, prompt in requests:
+                if r.kv_import is not None:  # right before its request: the blocks stay cached until admitted
+                    self.core.import_prompt_kv(r.kv_import)
                 self.core.add_request(r.request_id, prompt.token_ids, r.params, cache_salt=prompt.cache_salt,
                                       priority=r.priority)
                 done.append(r.request_id)
+                if r.kv_export:
+                    self._kv_exports[r.request_id] = (list(prompt.token_ids), prompt.cache_salt)
         except Exception as exc:  # ValueError: bad input (a 400); anything else: reported as is
             for request_id in done:  # all or nothing
                 self.core.abort_request(request_id)
+                self._kv_exports.pop(request_id, None)
             deliver(exc)
             return num_seqs
         for request_id in done:
@@ -289,6 +317,7 @@ class EngineLoop:
     def _abort_all(self, reason: Exception, *, refuse_queued: bool = False) -> int:
         """Abort every request the engine holds (and, with refuse_queued, every add not yet
         applied); each listener gets `reason`. Returns the refused adds' sequences."""
+        self._kv_exports.clear()
         for request_id, sink in list(self._sinks.items()):
             try:
                 self.core.abort_request(request_id)

@@ -137,6 +137,10 @@ class _SamplingRequest(_Strict):
         None, description="vLLM extension: prefix-cache blocks are shared only between requests with the same salt")
     prompt_logprobs: Logprobs | None = Field(
         None, description="vLLM extension: each prompt token's logprob and the top k there (`prompt_logprobs`)")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM extension, disaggregated prefill / decode (servers with --kv_connector): "
+                          "{\"do_remote_decode\": true} on a prefill server, whose response's kv_transfer_params "
+                          "a decode server then takes to pull the prompt's K/V")
     priority: Annotated[int, _doc(type="integer", **{LIMIT: "priority"})] = Field(
         0, description="vLLM extension: lower runs earlier, with the server's --scheduling_policy priority "
                        "(else only 0)")

@@ -8,7 +8,7 @@ sent as null.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -54,6 +54,7 @@ class CompletionResponse(BaseModel):  # also each streamed chunk
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = _omit_if_none()  # in a stream: only the last chunk (include_usage)
+    kv_transfer_params: dict[str, Any] | None = _omit_if_none()  # a prefill server's, for the decode server
 
 
 class TopLogprob(BaseModel):
@@ -91,6 +92,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omit_if_none()  # vLLM's, when asked
+    kv_transfer_params: dict[str, Any] | None = _omit_if_none()  # a prefill server's, for the decode server
 
 
 class ChatDelta(BaseModel):
