@@ -70,6 +70,8 @@ def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str
             cell += " (needs the test extra)"
         if command.module in results_rows.NEEDS_VLLM_VENV:
             cell += " (after `bash experiments/setup_vllm_cpu.sh`)"
+        if command.module in results_rows.NEEDS_ROUTER_VENV:
+            cell += " (after `bash experiments/setup_router.sh`)"
         for figure, value in builder(record):
             rows.append((figure, value, cell, filename))
     return rows

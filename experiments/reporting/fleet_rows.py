@@ -22,3 +22,19 @@ def simulate_fleet(record: dict) -> list:
               f"{fig['num_blocks_per_replica']} KV blocks, {flags.get('num_requests')} {flags.get('workload')} "
               f"requests ({flags.get('num_prefixes')} prefixes of {flags.get('prefix_len')} tokens) at "
               f"{flags.get('request_rate')}/s: per routing policy"), "; ".join(parts) + rr._cpu_note(record))]
+
+
+def fleet_prefix_routing(record: dict) -> list:
+    fig, flags = record["figures"], record["flags"]
+    parts = []
+    for r in fig["runs"]:
+        counts = r["requests_per_replica"]
+        parts.append(f"{r['policy']}: hit rate {100 * r['prefix_cache_hit_rate']:.1f}%, TTFT p50 {r['ttft_s_p50']:.2f} s"
+                     f" / p90 {r['ttft_s_p90']:.2f} s, requests per replica {'/'.join(map(str, counts))} (max "
+                     f"deviation {100 * r['max_load_deviation']:.0f}%), {len(r['errors'])} errors")
+    return [((f"real fleet: {flags.get('num_replicas')} serve_local replicas (SmolLM2-135M-Instruct, sharing 2 cores) "
+              f"behind {fig.get('router')}{' (' + flags['router_flags'] + ')' if flags.get('router_flags') else ''}, "
+              f"{flags.get('num_requests')} streamed requests on "
+              f"{flags.get('num_prefixes')} system prompts of {flags.get('prefix_words')} words, Poisson "
+              f"{flags.get('request_rate')}/s, {flags.get('max_tokens')} tokens each: per router policy"),
+             "; ".join(parts) + rr._cpu_note(record))]

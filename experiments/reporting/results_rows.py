@@ -355,10 +355,12 @@ BUILDERS = {
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
     "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
     "fuzz_server": hardening_rows.fuzz_server, "dashboard_cost": dashboard_rows.dashboard_cost,
-    "simulate_fleet": fleet_rows.simulate_fleet, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,
+    "simulate_fleet": fleet_rows.simulate_fleet, "fleet_prefix_routing": fleet_rows.fleet_prefix_routing, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak", "fuzz_server",
                     "dashboard_cost"}
 # modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
 NEEDS_VLLM_VENV = {"peer_vllm"}
+# modules whose command needs the router's venv first (experiments/setup_router.sh)
+NEEDS_ROUTER_VENV = {"fleet_prefix_routing"}
