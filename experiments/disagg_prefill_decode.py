@@ -7,7 +7,7 @@ Why: in one engine a long prompt's prefill chunks share steps with everyone's de
 so each such step is slow for every decoding request (TPOT spikes); disaggregation runs
 prefill on one engine and decode on another and moves the prompt's K/V between them
 (paged_jax/engine/kv_transfer.py adopts them into the decode engine's prefix cache,
-paged_jax/distributed/kv_connector.py moves them: jax.experimental.transfer here).
+paged_jax/engine/kv_connector.py moves them: jax.experimental.transfer here).
 
 The trace interleaves short chat-like requests (--short_prompt_len prompt, --output_len
 tokens) with a stream of long prompts (--long_prompt_len); Poisson arrivals at
@@ -131,7 +131,7 @@ def mixed_worker(model, options, cores, inbox, results) -> None:
 def prefill_worker(model, options, cores, inbox, decode_inbox, results) -> None:
     """Runs each request's prompt (max_tokens=1), exports its blocks, saves them on its
     transfer server and hands the request with the connector's params to the decoder."""
-    from paged_jax.distributed.kv_connector import TransferServerConnector
+    from paged_jax.engine.kv_connector import TransferServerConnector
     _pin(cores)
     engine = _engine(model, {**options, "kv_transfer": True})
     connector = TransferServerConnector()
@@ -160,7 +160,7 @@ def prefill_worker(model, options, cores, inbox, decode_inbox, results) -> None:
 
 def decode_worker(model, options, cores, inbox, results) -> None:
     """Pulls each request's prompt K/V, imports it, and generates the whole output."""
-    from paged_jax.distributed.kv_connector import TransferServerConnector
+    from paged_jax.engine.kv_connector import TransferServerConnector
     _pin(cores)
     engine = _engine(model, {**options, "kv_transfer": True})
     connector = TransferServerConnector()

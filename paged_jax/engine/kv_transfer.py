@@ -14,7 +14,7 @@ nothing else in the scheduler or runner knows where the K/V came from.
 Until the request is admitted the imported blocks are evictable like any cached free
 block; under pressure the decode engine may recompute some of them, which costs time,
 never correctness. Moving a PromptKV between processes is a connector's job
-(paged_jax/distributed/kv_connector.py).
+(paged_jax/engine/kv_connector.py).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                               dashboard_max_rate=f.dashboard_max_rate)
     connector = None
     if f.kv_connector != "none":
-        from paged_jax.distributed.kv_connector import make_connector
+        from paged_jax.engine.kv_connector import make_connector
         connector = make_connector(f.kv_connector)
         print(f"KV connector {f.kv_connector} at {getattr(connector, 'address', 'in process')}", file=sys.stderr)
     print(f"serving {settings.served_model_name!r} at http://{f.host}:{f.port}/v1 "

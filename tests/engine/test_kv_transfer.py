@@ -88,7 +88,7 @@ def test_importing_what_is_cached_writes_nothing_and_bad_kv_is_refused(tiny_llam
 def test_connectors_carry_the_prompt_kv(tiny_llama, prompts, connector_name):
     """save on one side, load on the other (jax_transfer: two transfer servers, as two
     processes would hold), then the decode engine's greedy output equals one engine's."""
-    from paged_jax.distributed.kv_connector import make_connector
+    from paged_jax.engine.kv_connector import make_connector
     producer = make_connector(connector_name)
     consumer = producer if connector_name == "host_memory" else make_connector(connector_name)
     prompt = prompts[-1]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paged_jax.config.engine_config import EngineConfig
-from paged_jax.distributed.kv_connector import HostMemoryConnector
+from paged_jax.engine.kv_connector import HostMemoryConnector
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.openai import ServerSettings, build_app
 from paged_jax.entrypoints.openai.uvicorn_server import BackgroundServer

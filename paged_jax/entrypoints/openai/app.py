@@ -77,7 +77,7 @@ class _ClientGone(Exception):
 
 
 def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=None) -> FastAPI:
-    """`kv_connector` (paged_jax/distributed/kv_connector.py; the engine built with
+    """`kv_connector` (paged_jax/engine/kv_connector.py; the engine built with
     kv_transfer=True): this server takes part in disaggregated prefill / decode
     (kv_transfer_params.py)."""
     settings = settings or ServerSettings()

@@ -3,7 +3,7 @@
 A prefill server gets a request with `"kv_transfer_params": {"do_remote_decode": true}`
 (a proxy or router sends it with max_tokens 1): the request runs as usual, and once it
 finishes the engine exports the prompt's cached blocks through the server's KV connector
-(paged_jax/distributed/kv_connector.py), whose params come back in the response's
+(paged_jax/engine/kv_connector.py), whose params come back in the response's
 `kv_transfer_params` with `"do_remote_prefill": true`. The decode server gets the same
 request with those params: the handler pulls the K/V (off the event loop: it waits on
 the network), the engine thread imports them into the prefix cache right before adding
