@@ -107,6 +107,20 @@ def _finished(engine, out, times: dict) -> dict:
             "finish_wall": time.time()}
 
 
+def _serve_inbox(engine, inbox, add, finished) -> None:
+    """Each worker's loop: add what arrives (None: no more), step, hand over what finished."""
+    stop = False
+    while not stop or engine.has_unfinished_requests():
+        for item in _drain(inbox, block=not engine.has_unfinished_requests()):
+            if item is None:
+                stop = True
+            else:
+                add(item)
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            if out.finished:
+                finished(out)
+
+
 def mixed_worker(model, options, cores, inbox, results) -> None:
     """One engine serving everything (requests: dicts from make_trace, with their wall
     arrival `sent`); reports each finished request; None in the inbox stops it."""
@@ -114,17 +128,11 @@ def mixed_worker(model, options, cores, inbox, results) -> None:
     engine = _engine(model, options)
     results.put(("ready", None))
     wall_at = {}
-    stop = False
-    while not stop or engine.has_unfinished_requests():
-        for item in _drain(inbox, block=not engine.has_unfinished_requests()):
-            if item is None:
-                stop = True
-                continue
-            engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(item["max_tokens"]))
-            wall_at[item["request_id"]] = time.time()
-        for out in engine.step() if engine.has_unfinished_requests() else []:
-            if out.finished:
-                results.put(("done", _finished(engine, out, wall_at)))
+
+    def add(item):
+        engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(item["max_tokens"]))
+        wall_at[item["request_id"]] = time.time()
+    _serve_inbox(engine, inbox, add, lambda out: results.put(("done", _finished(engine, out, wall_at))))
     results.put(("stats", engine.stats()))
 
 
@@ -137,22 +145,19 @@ def prefill_worker(model, options, cores, inbox, decode_inbox, results) -> None:
     connector = TransferServerConnector()
     results.put(("ready", None))
     pending = {}
-    stop = False
-    while not stop or engine.has_unfinished_requests():
-        for item in _drain(inbox, block=not engine.has_unfinished_requests()):
-            if item is None:
-                stop = True
-                continue
-            engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(1))
-            pending[item["request_id"]] = item
-        for out in engine.step() if engine.has_unfinished_requests() else []:
-            if out.finished:
-                item = pending.pop(out.request_id)
-                start = time.perf_counter()
-                kv = engine.export_prompt_kv(item["prompt"])
-                params = connector.save(out.request_id, kv) if kv is not None else None
-                decode_inbox.put({**item, "kv_transfer_params": params, "export_s": time.perf_counter() - start,
-                                  "kv_bytes": kv.nbytes if kv is not None else 0})
+
+    def add(item):
+        engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(1))
+        pending[item["request_id"]] = item
+
+    def finished(out):
+        item = pending.pop(out.request_id)
+        start = time.perf_counter()
+        kv = engine.export_prompt_kv(item["prompt"])
+        params = connector.save(out.request_id, kv) if kv is not None else None
+        decode_inbox.put({**item, "kv_transfer_params": params, "export_s": time.perf_counter() - start,
+                          "kv_bytes": kv.nbytes if kv is not None else 0})
+    _serve_inbox(engine, inbox, add, finished)
     decode_inbox.put(None)
     results.put(("prefill_stats", engine.stats()))
     time.sleep(2.0)  # the last pulls may still be in flight: keep the transfer server up a moment
@@ -166,28 +171,22 @@ def decode_worker(model, options, cores, inbox, results) -> None:
     connector = TransferServerConnector()
     results.put(("ready", None))
     wall_at, transfers = {}, {}
-    stop = False
-    while not stop or engine.has_unfinished_requests():
-        for item in _drain(inbox, block=not engine.has_unfinished_requests()):
-            if item is None:
-                stop = True
-                continue
-            start = time.perf_counter()
-            written = 0
-            if item["kv_transfer_params"] is not None:
-                kv = connector.load(item["kv_transfer_params"], item["prompt"])
-                pulled = time.perf_counter()
-                written = engine.import_prompt_kv(kv)
-            else:
-                pulled = start
-            engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(item["max_tokens"]))
-            wall_at[item["request_id"]] = time.time()
-            transfers[item["request_id"]] = {"kv_bytes": item["kv_bytes"], "export_s": item["export_s"],
-                                             "pull_s": pulled - start, "import_s": time.perf_counter() - pulled,
-                                             "blocks_written": written}
-        for out in engine.step() if engine.has_unfinished_requests() else []:
-            if out.finished:
-                results.put(("done", {**_finished(engine, out, wall_at), **transfers.pop(out.request_id)}))
+
+    def add(item):
+        start = pulled = time.perf_counter()
+        written = 0
+        if item["kv_transfer_params"] is not None:
+            kv = connector.load(item["kv_transfer_params"], item["prompt"])
+            pulled = time.perf_counter()
+            written = engine.import_prompt_kv(kv)
+        engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, _params(item["max_tokens"]))
+        wall_at[item["request_id"]] = time.time()
+        transfers[item["request_id"]] = {"kv_bytes": item["kv_bytes"], "export_s": item["export_s"],
+                                         "pull_s": pulled - start, "import_s": time.perf_counter() - pulled,
+                                         "blocks_written": written}
+    def finished(out):
+        results.put(("done", {**_finished(engine, out, wall_at), **transfers.pop(out.request_id)}))
+    _serve_inbox(engine, inbox, add, finished)
     results.put(("stats", engine.stats()))
 
 
