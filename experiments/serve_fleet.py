@@ -8,8 +8,8 @@ Clients talk to the router (http://127.0.0.1:8000/v1, OpenAI's API as one server
 the replicas listen on --base_port, --base_port + 1, ... Each replica is a whole engine
 in its own process (experiments/benchmarks/fleet_processes.py); the router is vLLM's
 (vllm-router, installed by experiments/setup_router.sh into its own venv) with its
-health checks tightened so a dead replica is dropped within ~2 s and a restarted one
-rejoins within ~1 s. `--policy cache_aware` sends requests that share a prefix to the
+health checks tightened (every second; a replica is dropped after two failures and
+taken back after one success). `--policy cache_aware` sends requests that share a prefix to the
 replica that served it (the router asks the replicas' /tokenize for token ids);
 `--pd` starts one prefill and one decode replica (--kv_transfer
 --kv_connector=jax_transfer) and the router's prefill / decode mode, which speaks vLLM's
