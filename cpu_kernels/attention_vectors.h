@@ -20,6 +20,8 @@ constexpr int kMaxRows = 64;  // query rows (tokens x query heads) per work item
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
 constexpr int kLanes = 16;  // keys scored at once (one AVX-512 register of f32)
+// query rows per pv_rows call (AVX-512); outside it, what the portable path converts V for
+constexpr int kPvRows = 4;
 
 // Ask for `rows` rows of `row_elems` values (row j at base + j * row_stride) to be brought
 // into cache: the kernel calls it for the next block's K and V while it computes on this
@@ -212,7 +214,6 @@ inline void pv_rows(float* const* out, const float* const* w, const T* vrows, in
       for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out[i] + c + k * kLanes, x[i][k]);
   }
 }
-constexpr int kPvRows = 4;  // rows per pv_rows call
 
 using ScoreFn = void (*)(const float (*)[kMaxHeadDim], const float*, int64_t, int64_t, const int*,
                          float (*)[kMaxBlockSize + kLanes], int32_t);

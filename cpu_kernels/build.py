@@ -2,7 +2,9 @@
 
 Why built here and not shipped as a wheel: the kernels are a few hundred lines that a
 researcher should be able to edit and rerun, and they are compiled for this CPU
-(`-march=native`: AVX-512 where the machine has it). The shared library lands in
+(`-march=native`: AVX-512 where the machine has it; $PAGED_JAX_CPU_MARCH overrides it,
+e.g. x86-64-v3 builds the AVX2-only path an AVX-512 machine would not otherwise run,
+which tests/attention/test_native_attention.py checks). The shared library lands in
 ~/.cache/paged_jax/cpu_kernels (or $PAGED_JAX_KERNEL_CACHE_DIR), named by a hash of the
 source, the compiler command and the CPU's feature flags, so an edit, another compiler or
 another machine gets its own build; the first call compiles (about 2 s), later ones load.
@@ -31,7 +33,7 @@ TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_write_kv_bf16": "WriteKvBF16",
     "paged_jax_amx_matmul_bf16": "AmxMatmulBF16",
 }
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
 class NativeKernelError(RuntimeError):
@@ -52,7 +54,8 @@ def _cpu_flags() -> str:
 
 
 def _compile_command(compiler: str, include_dir: str, sources: list[str], output: str) -> list[str]:
-    return [compiler, *FLAGS, f"-I{include_dir}", *sources, "-o", output]
+    march = os.environ.get("PAGED_JAX_CPU_MARCH", "native")
+    return [compiler, *FLAGS, f"-march={march}", f"-I{include_dir}", *sources, "-o", output]
 
 
 @functools.cache

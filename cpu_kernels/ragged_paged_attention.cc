@@ -257,7 +257,12 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         // the portable loop) converted to f32 once for all the head's rows
         const float* vf = nullptr;
         if constexpr (!std::is_same_v<T, float>) {
-          if (n > kPvRows || D % (4 * kLanes) != 0) {
+#if defined(__AVX512F__)
+          const bool convert = n > kPvRows || D % (4 * kLanes) != 0;
+#else
+          const bool convert = true;  // without AVX-512 only the portable loop runs, on f32 rows
+#endif
+          if (convert) {
             for (int32_t j = j0; j < j1; ++j)
 #pragma omp simd
               for (int64_t d = 0; d < D; ++d) w.vb[j][d] = to_float(values[j * row_stride + d]);

@@ -8,6 +8,8 @@ errors the kernel reports instead of reading out of bounds.
 """
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +94,17 @@ def test_the_library_is_cached_by_source_and_machine(tmp_path, monkeypatch):
         assert build.library_path() == path and os.path.getmtime(path) == mtime
     finally:
         build.library_path.cache_clear()
+
+
+@pytest.mark.slow
+def test_the_avx2_build_matches_the_reference(tmp_path):
+    """The kernels' portable (no AVX-512) path, built for x86-64-v3 in a subprocess, passes
+    this file's reference checks: an AVX-512 machine never runs that path otherwise (a bf16
+    value read through an unset pointer there once crashed AVX2-only machines)."""
+    env = {**os.environ, "PAGED_JAX_CPU_MARCH": "x86-64-v3", "PAGED_JAX_KERNEL_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "matches_the_reference or long_prefill"],
+                            env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+    assert any(name.endswith(".so") for name in os.listdir(tmp_path))  # its own build, not the cached one
