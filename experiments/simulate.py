@@ -66,6 +66,19 @@ def _define_flags():
     flags.DEFINE_string("output", "simulate", "Result name: experiments/results/<output>.json.")
 
 
+def python_loop_seconds(n: int = 5_000_000) -> float:
+    """Seconds this machine's Python takes for a fixed loop of n additions (best of 3):
+    the simulator's wall time is host Python, so records carry this figure, and wall
+    times from different machines (which differ 2x for the same code) can be compared."""
+    best = math.inf
+    for _ in range(3):
+        start, total = time.perf_counter(), 0
+        for i in range(n):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return round(best, 3)
+
+
 def _row(allocator: str, block_size: int, config: EngineConfig, figures: dict) -> dict:
     keys = ("kv_utilization", "waste_internal_slots", "waste_reservation_slots", "waste_external_slots",
             "mean_batched_seqs", "max_batched_seqs", "mean_batched_tokens", "num_preemptions", "num_steps",
@@ -123,6 +136,7 @@ def main(argv):
                "mean_output_tokens": float(np.mean(output_lens)), "trace_seconds": round(trace_seconds, 2),
                "runs": rows, "wall_seconds_total": round(total_seconds, 2),
                "load_average_start": load_average_start, "load_average_end": os.getloadavg(),
+               "python_loop_seconds": python_loop_seconds(),
                "note": "wall_seconds: the simulation itself (one allocator and block size); virtual_seconds and "
                        "every latency / throughput: the virtual clock of the step-time model"}
     flag_values = {name: f[name].value for name in (

@@ -8,7 +8,7 @@ replica whose clock is earliest. An arrival is routed (routing.py) with what a r
 knows then, the prompt and each replica's requests in flight, and joins that replica's
 waiting queue; an idle replica's clock jumps to it, a busy one sees it at its next
 step, as a real engine does. A replica's state at an arrival is the one after its last
-step that started before it; fast-forwarded quiet runs (fast_forward.py) stop at every
+step that started before it; fast-forwarded steps (fast_forward.py) stop at every
 arrival, so routing sees the same states with or without them.
 
 With one replica and any policy this is the single-engine Simulator, step for step
@@ -83,7 +83,7 @@ class FleetSimulator:
                     finished += 1
             if progress is not None and finished:
                 progress(finished)
-            if replica.fast_forward is not None and not finished:
+            if replica.fast_forward is not None:
                 replica.fast_forward.advance(arrival)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**fleet_figures(self), "wall_seconds": wall, "cpu_seconds": cpu}

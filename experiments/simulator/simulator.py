@@ -123,7 +123,7 @@ class Simulator:
                     finished += 1
             if progress is not None and finished:
                 progress(finished)
-            if self.fast_forward is not None and not finished:
+            if self.fast_forward is not None:
                 self.fast_forward.advance(trace[next_index].arrival_time if next_index < len(trace) else math.inf)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,

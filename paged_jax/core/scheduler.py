@@ -156,8 +156,8 @@ class Scheduler:
                 self._fork_if_ready(seq)
             num_new = self._num_new_tokens(seq)
             while num_new and not self._try_schedule(seq, num_new):
-                victims = self._victims(i)
-                swap_out.extend(self._preempt(victims))
+                victims, orders = self.preempt_last(i)
+                swap_out.extend(orders)
                 preempted.extend(v.seq_id for v in victims)
                 if seq in victims:
                     break
@@ -212,9 +212,8 @@ class Scheduler:
                 if self._has_room():
                     self._try_schedule(child, self._num_new_tokens(child))
 
-        finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted), finished)
+                               tuple(preempted), self.take_finished_ids())
 
     def _admission(self, seq: Sequence, budget: int):
         """(cached blocks, cached tokens, tokens to compute now) if waiting `seq` fits
@@ -230,15 +229,28 @@ class Scheduler:
             return None
         return hits, num_cached, num_new
 
-    def would_admit_after_decodes(self, num_decodes: int) -> bool:
-        """Whether a step that gave `num_decodes` running sequences one token each (their
-        slots already allocated) would go on to admit the head of the waiting queue, as
-        schedule()'s third phase decides. For callers that step many decodes without
-        schedule() (the simulator's fast-forward); changes nothing."""
-        if not self.waiting or self.swapped or num_decodes >= self.config.max_num_seqs:
+    def would_admit_after(self, num_rows: int, num_tokens: int) -> bool:
+        """Whether a step whose running sequences took `num_rows` rows and `num_tokens`
+        tokens (their slots already allocated) would go on to admit the head of the
+        waiting queue, as schedule()'s third phase decides. For callers that step running
+        sequences without schedule() (the simulator's fast-forward); changes nothing."""
+        if not self.waiting or self.swapped or num_rows >= self.config.max_num_seqs:
             return False
-        budget = self.config.max_num_batched_tokens - num_decodes
+        budget = self.config.max_num_batched_tokens - num_tokens
         return budget > 0 and self._admission(self.waiting[0], budget) is not None
+
+    def take_finished_ids(self) -> tuple[int, ...]:
+        """The sequences finished since the last call (schedule()'s output names them, so
+        the runner drops their tables); public for callers that step without schedule()
+        (the simulator's fast-forward, whose runner keeps no tables)."""
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return finished
+
+    def num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens schedule()'s first phase gives running `seq` when `budget` tokens of the
+        step are left (a decode: 1; a prefill: all missing, or with chunked prefill what
+        fits)."""
+        return self._fit_budget(max(seq.num_tokens_to_compute - seq.num_computed_tokens, 0), budget)
 
     def _to_running(self, seq: Sequence) -> None:
         if self.priority is None:
@@ -258,7 +270,7 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _num_new_tokens(self, seq: Sequence) -> int:
-        return self._fit_budget(max(seq.num_tokens_to_compute - seq.num_computed_tokens, 0))
+        return self.num_new_tokens(seq, self._budget)
 
     def _try_schedule(self, seq: Sequence, num_new: int) -> bool:
         """Grow `seq` by `num_new` slots and add its chunk; False (nothing changed) if the
@@ -278,6 +290,13 @@ class Scheduler:
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids(start, start + num_new)), start_position=start,
             num_kept_blocks=num_kept, new_block_ids=new_ids, sample=start + num_new == seq.num_tokens))
         self._budget -= num_new
+
+    def preempt_last(self, i: int) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Preempt what schedule() preempts when running[i] cannot grow (`_victims`);
+        returns the victims and their swap-out orders (empty for recompute). Public for
+        callers that step decodes without schedule() (the simulator's fast-forward)."""
+        victims = self._victims(i)
+        return victims, self._preempt(victims)
 
     def _victims(self, i: int) -> list[Sequence]:
         """The last request's running sequences at positions >= i (the trailing run of

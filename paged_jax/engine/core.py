@@ -129,7 +129,7 @@ class EngineCore:
         if self.config.kv_allocator != "paged" and (isinstance(params, BeamSearchParams) or params.n > 1):
             raise ValueError(f"kv_allocator={self.config.kv_allocator!r} is a baseline without block sharing: "
                              "it serves n=1 sampling only (no n > 1, no beam search)")
-        token_ids = [int(t) for t in prompt_token_ids]
+        token_ids = list(map(int, prompt_token_ids))
         validate_prompt_token_ids(token_ids, self.config.max_model_len, self.model_config.vocab_size)
         now = self._clock() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
@@ -234,6 +234,16 @@ class EngineCore:
     def _require_kv_transfer(self) -> None:
         if not self.config.kv_transfer:
             raise ValueError("this engine was built without kv_transfer=True (EngineConfig): it moves no prompt K/V")
+
+    def record_first_token(self, seq: Sequence, now: float) -> None:
+        """Mark `seq` and its request as having sampled a first token at `now` (if not
+        already), as step() does: for callers that advance sequences without step() (the
+        simulator's fast-forward)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        request = self._requests[seq.request_id]
+        if request.first_token_time is None:
+            request.first_token_time = now
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

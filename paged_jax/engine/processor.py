@@ -30,8 +30,8 @@ def validate_prompt_token_ids(token_ids: Seq[int], max_model_len: int, vocab_siz
     if len(token_ids) >= max_model_len:
         raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}, so a prompt "
                          f"may have at most {max_model_len - 1} tokens (room for one generated token)")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # C loops: a prompt is checked at every request
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
@@ -79,6 +79,10 @@ class Processor:
             except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
                 raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            array = np.asarray(prompt) if len(prompt) else None
+            if array is not None and array.ndim == 1 and array.dtype.kind in "iu":  # one C pass: the common case
+                return None, array.tolist()
+            if all(isinstance(t, (int, np.integer)) for t in prompt):  # empty, bools, ints past int64
+                return None, [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}")

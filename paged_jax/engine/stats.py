@@ -100,6 +100,12 @@ class EngineStats:
         self._add_schedule(slots, held, waste, blocks_without_sharing)
         self._add_step(num_seqs, num_seqs, num_seqs, step_seconds, 0.0)
 
+    def record_step_shape(self, num_seqs: int, num_tokens: int, num_sampled: int) -> None:
+        """What record_step adds for a step that ran without a SchedulerOutput (the
+        simulator's fast-forward; record_schedule has sampled its KV figures): its rows,
+        tokens and sampled rows; its host seconds come by add_host_seconds, no device."""
+        self._add_step(num_seqs, num_tokens, num_sampled, 0.0, 0.0)
+
     def add_host_seconds(self, seconds: float) -> None:
         """Host work of the last recorded step done after it returned (the front end
         turning its tokens into outputs): counted as that step's host time."""

@@ -7,7 +7,8 @@ runs (clock, every running sequence's progress and block table, the queues, the 
 and cached block counts), and compares the fast run's records with the step-by-step
 run's at the same step number, then every request's times and the final stats. The
 cases cover what ends a quiet run: arrivals, finishes, preemption (recompute and swap),
-admission once blocks free up, prefix-cache hits and evictions, priority order, a
+admission once blocks free up, chunked prefills continuing while others decode,
+prefix-cache hits and evictions, priority order, a
 bucketed step-time model and block size 1.
 (The simulator's requests carry no priority, so the priority case checks that
 policy's queue order with ties broken by arrival.)
@@ -36,7 +37,12 @@ CASES = {
     "priority": {"num_blocks": 40, "scheduling_policy": "priority"},
     "block-size-1": {"num_blocks": 160, "block_size": 1},
     "bucketed": {"num_blocks": 40, "seq_buckets": (2, 4, 6), "token_buckets": (8, 32)},
+    "chunked-prefill": {"num_blocks": 60, "max_num_batched_tokens": 8},  # most prompts take several chunks
 }
+# steps of each special kind the case must fast-forward: a chunked prefill's continuation,
+# decodes that preempt (recompute or swap)
+MIN_PREFILL_STEPS = {"chunked-prefill": 30}
+MIN_PREEMPTING_STEPS = {"recompute-preemption": 15, "swap-preemption": 8, "prefix-caching": 15}
 IGNORED = {"host_seconds_per_step", "host_fraction", "saturated_tokens_per_s", "wall_seconds", "cpu_seconds"}
 
 
@@ -88,7 +94,9 @@ def test_fast_forward_leaves_the_engine_where_step_by_step_does(case):
     slow_sim, slow_states, slow_figures = runs[False]
     fast_sim, fast_states, fast_figures = runs[True]
     assert fast_sim.fast_forward.num_steps > 0.3 * slow_figures["num_steps"], "the case has quiet runs to skip"
-    assert len(fast_states) + fast_sim.fast_forward.num_steps == len(slow_states)
+    assert fast_sim.fast_forward.num_prefill_steps >= MIN_PREFILL_STEPS.get(case, 0)
+    assert fast_sim.fast_forward.num_preempting_steps >= MIN_PREEMPTING_STEPS.get(case, 0)
+    assert len(fast_states) + fast_sim.fast_forward.num_steps == len(slow_states)  # lean steps call schedule()
     for step, state in fast_states.items():
         assert state == slow_states[step], f"state before step {step}"
     assert fast_sim.times == slow_sim.times
