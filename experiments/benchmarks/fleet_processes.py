@@ -2,7 +2,7 @@
 
 Why a process per replica: each replica is a whole engine (its own KV pool and prefix
 cache), as on N machines; the router in front is an existing one (its command comes
-from the caller: experiments/serve_fleet.py builds sgl-router's). `Fleet` starts the
+from the caller: experiments/serve_fleet.py builds vllm-router's). `Fleet` starts the
 replicas, waits until each answers /health, starts the router, and stops everything
 cleanly (SIGTERM: replicas finish what they run within their --shutdown_timeout, then
 exit; anything left after the grace is killed). `kill` and `restart` act on one

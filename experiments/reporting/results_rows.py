@@ -339,6 +339,7 @@ from experiments.reporting import hardening_rows  # noqa: E402  (the soak's and 
 from experiments.reporting import dashboard_rows  # noqa: E402  (the dashboard's cost)
 from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulation)
 from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
+from experiments.reporting import simulator_rows  # noqa: E402  (the simulator's profile)
 from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
                                              step_shape_costs, step_time_vs_cache_size)
 
@@ -356,6 +357,7 @@ BUILDERS = {
     "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
     "fuzz_server": hardening_rows.fuzz_server, "dashboard_cost": dashboard_rows.dashboard_cost,
     "simulate_fleet": fleet_rows.simulate_fleet, "fleet_prefix_routing": fleet_rows.fleet_prefix_routing, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,
+    "fleet_pd": disagg_rows.fleet_pd, "profile_simulator": simulator_rows.profile_simulator,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak", "fuzz_server",
@@ -363,4 +365,4 @@ NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run",
 # modules whose command needs vLLM's own venv first (experiments/setup_vllm_cpu.sh)
 NEEDS_VLLM_VENV = {"peer_vllm"}
 # modules whose command needs the router's venv first (experiments/setup_router.sh)
-NEEDS_ROUTER_VENV = {"fleet_prefix_routing"}
+NEEDS_ROUTER_VENV = {"fleet_prefix_routing", "fleet_pd"}
