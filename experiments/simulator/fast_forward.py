@@ -3,7 +3,7 @@
 Why: a long simulation runs millions of steps, and each `engine.step()` costs the
 engine's full per-sequence Python (scheduling, block table updates, per-row outputs,
 stats: ~20 us per sequence-step on a slow core) although with the simulator's runner
-most of what a step changes is known in advance. `DecodeFastForward.advance` applies
+most of what a step changes is known in advance. `FastForward.advance` applies
 steps until one may finish a request (or a request arrives), in four ways:
 
 - quiet runs (every running sequence decodes one token; nobody is admitted, preempted or
@@ -52,7 +52,7 @@ from experiments.simulator.step_time_model import step_features
 from paged_jax.worker.batch_inputs import batch_shape
 
 
-class DecodeFastForward:
+class FastForward:
     def __init__(self, engine, clock, step_model, token_id: int, buckets=()):
         """`engine`: the simulator's LLMEngine; `clock`: its VirtualClock; `step_model`
         and `buckets` ((seq_buckets, token_buckets) or ()): what its SimulatedRunner

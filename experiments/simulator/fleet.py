@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from experiments.simulator.fast_forward import DecodeFastForward
+from experiments.simulator.fast_forward import FastForward
 from experiments.simulator.simulator import SIMULATED_TOKEN_ID, RequestTimes, latency_figures, simulated_serving
 from paged_jax.core.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ from paged_jax.core.sampling_params import SamplingParams
 class Replica:
     engine: object  # LLMEngine over a SimulatedRunner
     clock: object  # its VirtualClock
-    fast_forward: DecodeFastForward | None
+    fast_forward: FastForward | None
     in_flight: int = 0  # requests routed here and not finished (the router's view)
     num_routed: int = 0
 
@@ -52,7 +52,7 @@ class FleetSimulator:
             engine = make_engine(config)
             core = engine.core
             buckets = (core.config.seq_buckets, core.config.token_buckets) if step_model.bucketed else ()
-            ff = DecodeFastForward(engine, clock, step_model, SIMULATED_TOKEN_ID, buckets) if fast_forward else None
+            ff = FastForward(engine, clock, step_model, SIMULATED_TOKEN_ID, buckets) if fast_forward else None
             self.replicas.append(Replica(engine, clock, ff))
         self.times: dict[int, RequestTimes] = {}
         self.assignment: list[int] = []  # trace index -> replica

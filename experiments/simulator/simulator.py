@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from experiments.simulator.fast_forward import DecodeFastForward
+from experiments.simulator.fast_forward import FastForward
 from experiments.simulator.step_time_model import StepTimeModel, step_features
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
@@ -80,9 +80,10 @@ class Simulator:
 
     def __init__(self, trace, config: EngineConfig, step_model: StepTimeModel, model_config, *,
                  fast_forward: bool = True):
-        """`fast_forward`: apply runs of quiet decode steps directly (fast_forward.py: the
-        same schedule, state and figures, ~5x faster); False: every step through
-        engine.step() (what a test logging each schedule needs)."""
+        """`fast_forward`: every step that cannot finish a request without engine.step()
+        (fast_forward.py: the same schedule, state and figures for a fraction of the
+        Python); False: every step through engine.step() (what a test logging each
+        schedule needs)."""
         if any(b.arrival_time < a.arrival_time for a, b in itertools.pairwise(trace)):
             raise ValueError("the trace must be sorted by arrival time")
         self.trace = trace
@@ -91,7 +92,7 @@ class Simulator:
         self.times: dict[int, RequestTimes] = {}  # trace index -> times, filled as requests finish
         core = self.engine.core
         buckets = (core.config.seq_buckets, core.config.token_buckets) if step_model.bucketed else ()
-        self.fast_forward = (DecodeFastForward(self.engine, self.clock, step_model, SIMULATED_TOKEN_ID, buckets)
+        self.fast_forward = (FastForward(self.engine, self.clock, step_model, SIMULATED_TOKEN_ID, buckets)
                              if fast_forward else None)
 
     def run(self, progress=None) -> dict:

@@ -80,7 +80,10 @@ class Processor:
                 raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            array = np.asarray(prompt) if len(prompt) else None
+            try:
+                array = np.asarray(prompt) if len(prompt) else None
+            except (ValueError, TypeError):  # ragged nesting: refused below with this module's message
+                array = None
             if array is not None and array.ndim == 1 and array.dtype.kind in "iu":  # one C pass: the common case
                 return None, array.tolist()
             if all(isinstance(t, (int, np.integer)) for t in prompt):  # empty, bools, ints past int64

@@ -46,6 +46,9 @@ def test_accepted_prompts(processor, prompt, want):
     ({"prompt_token_ids": []}, "empty"),
     ([5, 200], "outside the vocabulary"),
     (5, "a prompt must be"),
+    ([5, [6, 7]], "a prompt must be"),  # ragged: numpy's own error must not leak
+    ([5.0, 6.0], "a prompt must be"),
+    ([2**70], "outside the vocabulary"),  # past int64: the element-wise path
 ])
 def test_refused_prompts(processor, prompt, message):
     with pytest.raises(ValueError, match=message):
