@@ -33,19 +33,26 @@ from absl import app, flags
 from experiments.disagg_prefill_decode import make_trace
 from experiments.serve_fleet import make_fleet
 
-_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 40, "Requests in the trace.")
-_LONG_FRACTION = flags.DEFINE_float("long_fraction", 0.25, "Share of requests with a long prompt.")
-_LONG_LEN = flags.DEFINE_integer("long_prompt_len", 768, "Tokens of a long prompt.")
-_SHORT_LEN = flags.DEFINE_integer("short_prompt_len", 48, "Tokens of a short prompt.")
-_OUTPUT_LEN = flags.DEFINE_integer("output_len", 32, "Output tokens per request (ignore_eos).")
-_RATE = flags.DEFINE_float("request_rate", 1.0, "Poisson arrivals per second.")
-_MODES = flags.DEFINE_list("modes", ["mixed", "pd"], "Fleets to run, in order: mixed (one replica), pd.")
-_REPLICA_FLAGS = flags.DEFINE_string("replica_flags", "--max_num_seqs=16 --max_num_batched_tokens=256 "
-                                     "--max_model_len=1024", "serve_local flags of every replica.")
-_PORT = flags.DEFINE_integer("port", 18700, "Router port; replicas on port + 1 ...")
-_SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
-_OUTPUT = flags.DEFINE_string("output", "fleet_pd", "Result name: experiments/results/<output>.json.")
 
+
+# flags are defined in main's module only when run, so importing this (the tests) defines none
+def _define_flags():
+    flags.DEFINE_integer("num_requests", 40, "Requests in the trace.")
+    flags.DEFINE_float("long_fraction", 0.25, "Share of requests with a long prompt.")
+    flags.DEFINE_integer("long_prompt_len", 768, "Tokens of a long prompt.")
+    flags.DEFINE_integer("short_prompt_len", 48, "Tokens of a short prompt.")
+    flags.DEFINE_integer("output_len", 32, "Output tokens per request (ignore_eos).")
+    flags.DEFINE_float("request_rate", 1.0, "Poisson arrivals per second.")
+    flags.DEFINE_list("modes", ["mixed", "pd"], "Fleets to run, in order: mixed (one replica), pd.")
+    flags.DEFINE_string("replica_flags", "--max_num_seqs=16 --max_num_batched_tokens=256 --max_model_len=1024",
+                        "serve_local flags of every replica.")
+    flags.DEFINE_integer("port", 18700, "Router port; replicas on port + 1 ...")
+    flags.DEFINE_integer("seed", 0, "Trace seed.")
+    flags.DEFINE_string("output", "fleet_pd", "Result name: experiments/results/<output>.json.")
+
+
+_FLAG_NAMES = ("num_requests", "long_fraction", "long_prompt_len", "short_prompt_len", "output_len", "request_rate",
+               "modes", "replica_flags", "port", "seed", "output")
 _MODEL = "smollm2-135m"
 _VOCAB = 49152  # SmolLM2's vocabulary: the trace's token ids stay below it
 
@@ -123,12 +130,13 @@ def run_mode(mode: str, trace: list[dict], replica_flags: str, port: int, log_di
 def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
-    trace = make_trace(_NUM_REQUESTS.value, _LONG_FRACTION.value, _LONG_LEN.value, _SHORT_LEN.value,
-                       _OUTPUT_LEN.value, _RATE.value, _VOCAB, _SEED.value)
+    f = flags.FLAGS
+    trace = make_trace(f.num_requests, f.long_fraction, f.long_prompt_len, f.short_prompt_len, f.output_len,
+                       f.request_rate, _VOCAB, f.seed)
     runs = []
-    for mode in _MODES.value:
+    for mode in f.modes:
         print(f"{mode}: starting its fleet ...", flush=True)
-        runs.append(run_mode(mode, trace, _REPLICA_FLAGS.value, _PORT.value))
+        runs.append(run_mode(mode, trace, f.replica_flags, f.port))
         r = runs[-1]
         print(f"{mode}: {r['num_ok']}/{len(trace)} ok; short requests TTFT p50 {r['short_ttft_s_p50']:.3f} s, "
               f"TPOT p50 {r['short_tpot_s_p50'] * 1e3:.1f} ms / p90 {r['short_tpot_s_p90'] * 1e3:.1f} ms; "
@@ -144,11 +152,11 @@ def main(argv):
         figures["outputs_equal"] = len(both) - len(different)
         figures["outputs_different"] = different
         print(f"outputs equal in {len(both) - len(different)} of {len(both)} requests", flush=True)
-    flag_values = {f.name: f.value for f in (_NUM_REQUESTS, _LONG_FRACTION, _LONG_LEN, _SHORT_LEN, _OUTPUT_LEN,
-                                            _RATE, _MODES, _REPLICA_FLAGS, _PORT, _SEED, _OUTPUT)}
-    print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures=figures, seed=_SEED.value))
+    flag_values = {name: f[name].value for name in _FLAG_NAMES}
+    print("wrote", write_result(f.output, flags=flag_values, figures=figures, seed=f.seed))
 
 
 if __name__ == "__main__":
+    _define_flags()
     flags.FLAGS.set_default("verbosity", -1)
     app.run(main)
