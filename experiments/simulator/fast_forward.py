@@ -81,7 +81,7 @@ class FastForward:
         for seq in running:
             p = seq.sampling_params
             if (p.stop or p.stop_token_ids or not p.ignore_eos or p.logprobs is not None or p.n != 1
-                    or seq.pending_forks):
+                    or p.prompt_logprobs is not None or seq.pending_forks):
                 return False
         return True
 
@@ -185,7 +185,7 @@ class FastForward:
         """A step of decodes in which some sequence cannot grow, as schedule()'s first
         phase runs it: in running order each grows by a slot, and where the blocks run
         out the scheduler preempts its choice (Scheduler.preempt_last) until it fits or
-        is itself preempted; nothing is admitted after a preemption. The caller checked
+        is itself preempted; nothing is admitted after a preemption that left rows. The caller checked
         that every running sequence decodes and none finishes."""
         core = self._engine.core
         sched, bm, stats = core.scheduler, core.block_manager, core.stats_tracker
@@ -205,6 +205,8 @@ class FastForward:
                 raise AssertionError("a decode's allocation copied a block")
             rows.append(seq)
             i += 1
+        if not rows:  # schedule() would go on to admit: a lone decode always fits its pool
+            raise AssertionError("a preempting step preempted every running sequence")
         for seq in rows:
             bm.table_update(seq.seq_id)
         n = len(rows)

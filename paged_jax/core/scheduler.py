@@ -164,7 +164,10 @@ class Scheduler:
             i += 1
 
         # 2. swapped groups come back (whole) before new sequences are admitted
-        while self.swapped and not preempted and self._has_room():
+        # after a preemption only if it left nothing scheduled: a step whose one schedulable
+        # sequence was preempted (the others awaiting beam candidates) must still move
+        may_bring_in = not (preempted and self._chunks)
+        while self.swapped and may_bring_in and self._has_room():
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
             # exact: a copy-on-write only where a partly full last block is shared, else a
@@ -188,7 +191,7 @@ class Scheduler:
                         raise AssertionError("checked above: the group and its growth fit")
 
         # 3. waiting sequences, in queue order (FCFS or priority), while blocks and budget last
-        while self.waiting and not preempted and not self.swapped and self._has_room():
+        while self.waiting and may_bring_in and not self.swapped and self._has_room():
             seq = self.waiting[0]
             plan = self._admission(seq, self._budget)
             if plan is None:

@@ -94,6 +94,24 @@ GRID = itertools.product(["recompute", "swap"], [False, True], [2, 3], [4, 5], [
                          [0, 1], [1, 2, 3])
 
 
+def test_a_step_that_preempts_its_only_schedulable_sequence_still_admits():
+    """Found by the random sweep: one beam's sequence needs a block, the swap space is
+    full, so it is preempted for recompute, and the other beam has nothing to compute
+    (it awaits its siblings' candidates). A step that preempted used to admit nothing
+    else, so it scheduled nothing at all: "the scheduler cannot make progress"."""
+    config = _config(block_size=3, num_blocks=7, max_model_len=9, watermark=0.0, max_num_seqs=4,
+                     max_num_batched_tokens=9, enable_chunked_prefill=False, preemption_mode="swap",
+                     enable_prefix_caching=False, kv_allocator="paged", swap_blocks=1)
+    beams = BeamSearchParams(beam_width=2, max_tokens=9, ignore_eos=True)
+    requests = [Req((3,), greedy(9, n=2), arrival_step=3), Req((3,), greedy(9), arrival_step=3),
+                Req((3,), greedy(9), arrival_step=3), Req((3,), beams, arrival_step=1),
+                Req((3,), greedy(9), arrival_step=3), Req((3,), greedy(9), arrival_step=0)]
+    finished, refused, engine = serve(config, requests, max_steps=5000, check=_invariants)
+    assert not refused
+    _check_all_finished(config, requests, finished, refused)
+    assert engine.stats()["num_preemptions"] >= 1
+
+
 def test_two_request_grid_finishes():
     """Every small case of one request behind another (n = 1..3 completions, arriving
     with it or a step later), at watermark 0 where a request may need the whole pool:
