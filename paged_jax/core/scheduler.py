@@ -9,7 +9,9 @@ admission order), then swapped back in, then waiting (FCFS). When the block mana
 cannot grow a running sequence, the most recently admitted request's running sequences
 (kept adjacent in `running`) are preempted together, by recompute (free their blocks,
 requeue them at the front of waiting) or by swap (copy their blocks to host memory as
-one group, so blocks they share stay shared). A step that preempted admits nothing new.
+one group, so blocks they share stay shared); a request with several running sequences
+first makes room for all of them, so it is never split between running and preempted.
+A step that preempted admits nothing new.
 
 Priority (`scheduling_policy="priority"`, vLLM's rule; scheduling_policy.py): each queue
 is kept in (priority, arrival_time, admission counter) order, lower first, instead of
@@ -40,6 +42,7 @@ Pure Python; the runner sees only the returned SchedulerOutput.
 from __future__ import annotations
 
 import collections
+import itertools
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.block_manager import BlockManager
@@ -154,6 +157,8 @@ class Scheduler:
             seq = self.running[i]
             if seq.pending_forks:
                 self._fork_if_ready(seq)
+            if not self._make_room_for_request(i, swap_out, preempted):
+                break  # the request was the last one: preempted whole, nothing runs after it
             num_new = self._num_new_tokens(seq)
             while num_new and not self._try_schedule(seq, num_new):
                 victims, orders = self.preempt_last(i)
@@ -293,6 +298,39 @@ class Scheduler:
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids(start, start + num_new)), start_position=start,
             num_kept_blocks=num_kept, new_block_ids=new_ids, sample=start + num_new == seq.num_tokens))
         self._budget -= num_new
+
+    def _make_room_for_request(self, i: int, swap_out: list, preempted: list) -> bool:
+        """If running[i] leads two or more running sequences of its request (beams, n > 1),
+        preempt (schedule()'s victims) until all that this step schedules can grow, so a
+        request's sequences grow together or are preempted together, as vLLM schedules a
+        sequence group: preempting part of one would leave the rest holding blocks while
+        they wait for it (a beam step needs every beam), which can starve the swapped
+        part forever. Returns False if the request itself was preempted."""
+        running, seq = self.running, self.running[i]
+        if (i + 1 == len(running) or running[i + 1].request_id != seq.request_id
+                or (i and running[i - 1].request_id == seq.request_id)):
+            return True
+        while not self._request_fits(i):
+            victims, orders = self.preempt_last(i)
+            swap_out.extend(orders)
+            preempted.extend(v.seq_id for v in victims)
+            if seq in victims:
+                return False
+        return True
+
+    def _request_fits(self, i: int) -> bool:
+        """Whether the free blocks hold what this step's chunks of running[i]'s request
+        (within the budget and rows left) need, copy-on-write of shared last blocks
+        included (BlockManager.num_growth_blocks)."""
+        bm, request_id = self.block_manager, self.running[i].request_id
+        budget, rows, targets = self._budget, len(self._chunks), {}
+        for seq in itertools.takewhile(lambda s: s.request_id == request_id, self.running[i:]):
+            num_new = self.num_new_tokens(seq, budget) if budget > 0 and rows < self.config.max_num_seqs else 0
+            if num_new:
+                targets[seq.seq_id] = max(seq.num_computed_tokens + num_new, bm.num_tokens(seq.seq_id))
+                budget -= num_new
+                rows += 1
+        return bm.num_growth_blocks(targets) <= bm.num_free_blocks
 
     def preempt_last(self, i: int) -> tuple[list[Sequence], list[tuple[int, int]]]:
         """Preempt what schedule() preempts when running[i] cannot grow (`_victims`);

@@ -112,6 +112,30 @@ def test_a_step_that_preempts_its_only_schedulable_sequence_still_admits():
     assert engine.stats()["num_preemptions"] >= 1
 
 
+def test_a_request_s_sequences_are_never_preempted_apart():
+    """Found by the random sweep: three beams need a block each, one is free; the last
+    request's sequences were preempted (swapped) first, then the last beam alone, so its
+    two siblings kept their blocks waiting for its candidates while it waited behind an
+    earlier swapped group that could not fit: "the scheduler cannot make progress". A
+    request's sequences now grow together or are preempted together."""
+    config = _config(block_size=2, num_blocks=7, max_model_len=4, watermark=0.0, max_num_seqs=4,
+                     max_num_batched_tokens=4, enable_chunked_prefill=False, preemption_mode="swap",
+                     enable_prefix_caching=False, kv_allocator="paged", swap_blocks=6)
+    requests = [Req((3,), greedy(4)), Req((3,), BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)),
+                Req((3,), greedy(4, n=3))]
+    split = []
+
+    def check(engine):
+        _invariants(engine)
+        running = {s.request_id for s in engine.scheduler.running}
+        split.extend(s.request_id for group in engine.scheduler.swapped for s in group if s.request_id in running)
+
+    finished, refused, engine = serve(config, requests, max_steps=5000, check=check)
+    _check_all_finished(config, requests, finished, refused)
+    assert engine.stats()["num_preemptions"] >= 1
+    assert not split, f"requests {sorted(set(split))} were both running and swapped"
+
+
 def test_two_request_grid_finishes():
     """Every small case of one request behind another (n = 1..3 completions, arriving
     with it or a step later), at watermark 0 where a request may need the whole pool:
