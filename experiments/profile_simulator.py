@@ -79,7 +79,9 @@ def main(argv):
     real_steps = figures["num_steps"] - ff.num_steps - ff.num_lean_steps
     result = {"wall_seconds": round(wall, 2), "profiled": f.profile, "num_requests": f.num_requests,
               "num_steps": figures["num_steps"], "real_steps": real_steps, "fast_forwarded_steps": ff.num_steps,
-              "prefill_continuation_steps": ff.num_prefill_steps, "lean_steps": ff.num_lean_steps,
+              "prefill_steps": ff.num_prefill_steps, "preempting_steps": ff.num_preempting_steps,
+              "admitting_steps": ff.num_admitting_steps, "finishing_steps": ff.num_finishing_steps,
+              "lean_steps": ff.num_lean_steps,
               "fast_forward_runs": ff.num_runs, "run_ends": dict(sorted(ff.run_ends.items())),
               "num_preemptions": figures["num_preemptions"],
               "us_per_step": round(wall / figures["num_steps"] * 1e6, 2),
@@ -92,8 +94,9 @@ def main(argv):
                                                     "max_num_batched_tokens", "profile", "step_time_model")}
     print("wrote", write_result(f.output, flags=flag_values, figures=result, seed=0))
     print(f"{wall:.1f} s wall for {figures['num_steps']} steps ({real_steps} real, {ff.num_lean_steps} through "
-          f"schedule() alone, {ff.num_steps} fast-forwarded ({ff.num_prefill_steps} continuing a prefill) in "
-          f"{ff.num_runs} runs), {figures['num_preemptions']} preemptions")
+          f"schedule() alone, {ff.num_steps} fast-forwarded: {ff.num_prefill_steps} with a prefill, "
+          f"{ff.num_preempting_steps} preempting, {ff.num_admitting_steps} admitting, {ff.num_finishing_steps} "
+          f"finishing), {figures['num_preemptions']} preemptions")
     print("fast-forward runs ended by:", result["run_ends"])
     for row in result.get("top_own", [])[:15]:
         print(f"{row['own_s']:>8.2f} {row['cumulative_s']:>8.2f} {row['calls']:>9} {row['function']}")

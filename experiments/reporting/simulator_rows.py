@@ -16,7 +16,8 @@ def profile_simulator(record: dict) -> list:
     how = "under cProfile" if fig["profiled"] else "no profiler"
     parts = [f"{fig['wall_seconds']:.1f} s wall ({how}) for {fig['num_steps']} steps: {fig['real_steps']} "
              f"engine.step(), {fig['lean_steps']} schedule() only, {fig['fast_forwarded_steps']} applied directly "
-             f"({fig['prefill_continuation_steps']} continuing a chunked prefill); {fig['num_preemptions']} "
+             f"({fig['prefill_steps']} with a prefill chunk, {fig['preempting_steps']} preempting, "
+             f"{fig['admitting_steps']} admitting, {fig['finishing_steps']} finishing); {fig['num_preemptions']} "
              f"preemptions"]
     if fig.get("top_cumulative"):
         top = [r for r in fig["top_cumulative"] if "run" not in r["function"].split("(")[-1]][:4]

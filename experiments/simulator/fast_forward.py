@@ -4,41 +4,42 @@ Why: a long simulation runs millions of steps, and each `engine.step()` costs th
 engine's full per-sequence Python (scheduling, block table updates, per-row outputs,
 stats: ~20 us per sequence-step on a slow core) although with the simulator's runner
 most of what a step changes is known in advance. `FastForward.advance` applies
-steps until one may finish a request (or a request arrives), in four ways:
+steps until a request arrives (or a step needs the real engine), in three ways:
 
 - quiet runs (every running sequence decodes one token; nobody is admitted, preempted or
   finished): O(1) per step plus one `allocate_slots` call per block that fills or is
   added, the stats' figures tracked incrementally with `kv_waste`'s formulas;
-- a chunked prefill's continuation (the last running sequence prefills while the others
-  decode): O(rows) per step, the chunk the budget leaves as schedule() computes it
-  (`Scheduler.num_new_tokens`);
-- decode steps that preempt: in running order each sequence grows, and where the blocks
-  run out the scheduler's own choice is preempted (`Scheduler.preempt_last`);
-- any other step that cannot finish a request (admissions, swaps, several prefills):
-  the real `schedule()`, stats and sequence updates, without the runner and per-row
-  outputs (`_lean_step`).
+- any other step of plain sequences with nothing swapped (`_step`: prefill chunks,
+  preemption, admission, finishes): O(rows), schedule()'s rules through the scheduler's
+  own pieces (`Scheduler.num_new_tokens` for each row's chunk, `preempt_last` for the
+  victim, `admit_after` for its third phase), the engine's update and length check,
+  finishes through the core (`EngineCore.finish_by_length`), the requests' final
+  outputs from the real front end; no SchedulerOutput, runner or per-row outputs;
+- the rest (swapped sequences coming back, an empty running queue): the real
+  `schedule()`, stats and sequence updates, without the runner and per-row outputs
+  (`_lean_step`), if no sequence it may schedule can finish in it; else the real
+  `engine.step()`.
 
 Exactness (tests/experiments/test_fast_forward.py compares every request's times, the
 stats and the block tables at every schedule() call against step-by-step runs): block
 allocations are made by the real block manager in the real order (step by step,
-running order), so block ids, prefix-cache registrations and evictions are the
-engine's; a directly applied step stops the run before it starts if a request arrives
-by then or a sequence would finish in it; after its allocations, if the scheduler
-would admit the waiting head (`Scheduler.would_admit_after`, its own admission test),
-the step goes through schedule(), whose allocations of it are then no-ops. The KV
-figures of steps with O(rows) work come from the stats' own `record_schedule`; the
-sequences finished by the last real step are taken off the scheduler
-(`take_finished_ids`) by the first step applied without schedule(), as that step's
+running order, then admissions), so block ids, prefix-cache registrations and
+evictions are the engine's; a quiet run stops before a step if a request arrives by
+then, a sequence would finish in it or, after its allocations, the scheduler would
+admit the waiting head (`Scheduler.would_admit_after`, its own admission test; the
+`_step` that follows finds its allocations made). Finished sequences' blocks are freed
+in row order, as update() frees them. The KV figures of `_step`s come from the stats'
+own `record_schedule`; the sequences finished by a step are taken off the scheduler
+(`take_finished_ids`) by the next step applied without schedule(), as that step's
 schedule() would report them to a runner (the simulator's keeps no tables). The front
-end gets, per sequence, one delta of all the tokens it sampled in the run, which its
-accumulation makes the same as one delta per step; a step that may finish a request
-(a sequence that is scheduled could reach max_tokens or max_model_len) is left to the
-real `engine.step()`.
+end gets, per sequence, one delta of all the tokens it sampled in the steps applied
+(a finished one's at its last step's time), which its accumulation makes the same as
+one delta per step.
 
-Preconditions (checked; anything else runs step by step): the simulator's own requests
-(one greedy completion, ignore_eos, no stop strings or tokens, no logprobs), the paged
-block manager, no structured outputs; the directly applied steps also need nothing
-swapped, no forks and every decoding sequence's first token sampled.
+Preconditions (checked; anything else runs through `_lean_step` or step by step): the
+simulator's own requests (one greedy completion, ignore_eos, no stop strings or
+tokens, no logprobs: `_plain`), the paged block manager, no structured outputs,
+nothing swapped.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import itertools
 import time
 
 from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.sequence import SequenceStatus
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from experiments.simulator.step_time_model import step_features
 from paged_jax.worker.batch_inputs import batch_shape
@@ -59,75 +61,85 @@ class FastForward:
         charges per step; `token_id`: what that runner samples."""
         self._engine, self._clock, self._model = engine, clock, step_model
         self._token, self._buckets = token_id, buckets
-        self.num_steps = 0  # steps applied without schedule() so far (quiet, continuation, preempting)
-        self.num_prefill_steps = 0  # of those, steps that continued a chunked prefill
-        self.num_preempting_steps = 0  # of those, decode steps that preempted (recompute or swap)
+        self.num_steps = 0  # steps applied without schedule() so far (quiet runs and _step)
+        self.num_prefill_steps = 0  # of those, steps with a prefill chunk (of 2+ tokens)
+        self.num_preempting_steps = 0  # of those, steps that preempted (recompute or swap)
+        self.num_admitting_steps = 0  # of those, steps that admitted waiting sequences
+        self.num_finishing_steps = 0  # of those, steps that finished requests
         self.num_lean_steps = 0  # steps run through the real schedule() without engine.step()
         self.num_runs = 0  # advance() calls that fast-forwarded at least one step
+        self._plain_ids: set[int] = set()  # sequences _eligible found plain
         # why each advance() call stopped (experiments/profile_simulator.py reports it):
-        # the last direct run's end, arrival, finish (a sequence's last token is next),
-        # not_quiet, preempt or admit, where the lean step that followed could not run
+        # arrival, or the last quiet run's end (finish: a sequence's last token is next;
+        # not_quiet, preempt or admit) where the step after it could not be applied
         self.run_ends: dict[str, int] = {}
 
     def _eligible(self, running) -> bool:
         """The engine-wide preconditions (module docstring) and the simulator's plain
-        requests (one greedy completion, ignore_eos, no stops or logprobs, no forks)."""
+        requests (`_plain`, remembered per sequence: its parameters do not change)."""
         core = self._engine.core
         config = core.config
         n = len(running)
         if (not n or core.scheduler.swapped or n > config.max_num_seqs or n > config.max_num_batched_tokens
                 or type(core.block_manager) is not BlockManager or core.structured_outputs is not None):
             return False
+        plain = self._plain_ids
         for seq in running:
-            p = seq.sampling_params
-            if (p.stop or p.stop_token_ids or not p.ignore_eos or p.logprobs is not None or p.n != 1
-                    or p.prompt_logprobs is not None or seq.pending_forks):
-                return False
+            if seq.seq_id not in plain:
+                if not self._plain(seq):
+                    return False
+                plain.add(seq.seq_id)
         return True
+
+    @staticmethod
+    def _plain(seq) -> bool:
+        """One greedy completion, ignore_eos, no stops, logprobs or forks."""
+        p = seq.sampling_params
+        return not (p.stop or p.stop_token_ids or not p.ignore_eos or p.logprobs is not None or p.n != 1
+                    or p.prompt_logprobs is not None or seq.pending_forks)
 
     @staticmethod
     def _decoding(seq) -> bool:
         return seq.num_computed_tokens == seq.num_tokens - 1 and seq.first_token_time is not None
 
-    def _steps_left(self, seq) -> int:
-        """Steps a decoding `seq` runs before the one that finishes it (a step appends
-        output token o + 1; the one that reaches max_tokens or max_model_len finishes)."""
+    def _remaining(self, seq) -> int:
+        """Tokens a decoding `seq` has left to sample: the step that samples the last one
+        (reaching max_tokens or max_model_len) finishes it."""
         limit = self._engine.core.config.max_model_len
-        return min(seq.sampling_params.max_tokens - len(seq.output_token_ids), limit - seq.num_tokens) - 1
+        return min(seq.sampling_params.max_tokens - len(seq.output_token_ids), limit - seq.num_tokens)
 
-    def _quiet(self, running) -> int:
-        """How many quiet steps the running sequences allow (0: not all decoding)."""
-        if not self._eligible(running) or not all(self._decoding(seq) for seq in running):
-            return 0
-        return max(min(self._steps_left(seq) for seq in running), 0)
+    def _steps_left(self, seq) -> int:
+        """Steps a decoding `seq` runs before the one that finishes it."""
+        return self._remaining(seq) - 1
 
-    def advance(self, next_arrival: float) -> int:
-        """Apply steps until one may finish a request or a request arrives at
-        `next_arrival`: quiet runs (and a chunked prefill's continuation) directly, other
-        steps through the real scheduler (`_lean_step`); returns how many ran."""
+    def advance(self, next_arrival: float, progress=None) -> list:
+        """Apply steps until a request arrives at `next_arrival` or a step needs the real
+        engine.step(): quiet runs and the step after each directly (`_step`), steps with
+        swapped sequences or none running through the real scheduler (`_lean_step`);
+        returns the RequestOutputs of the requests that finished in them, as
+        engine.step() would have. `progress(n)`, if given, is called as n finish (a
+        trace whose requests all arrive at once runs in one call)."""
         start = time.perf_counter()
         core = self._engine.core
         sched = core.scheduler
         self._pending: dict = {}  # sequence -> tokens sampled in these steps, reported at the end
+        self._finished: list = []  # RequestOutputs of requests finished in these steps
+        self._progress = progress
         k, end = 0, "arrival"
         while self._clock.now < next_arrival:
             running = list(sched.running)
             end = "not_quiet"
-            if self._eligible(running) and not sched.swapped:
-                if not self._decoding(running[-1]) and all(self._decoding(seq) for seq in running[:-1]):
-                    run, end = self._continue_prefill(running, next_arrival)
-                    k += run
-                    self.num_steps += run
-                    self.num_prefill_steps += run
-                if end is None or end == "not_quiet":
+            if self._eligible(running):
+                if all(self._decoding(seq) for seq in running):
                     run, end = self._decode_run(running, next_arrival)
                     k += run
                     self.num_steps += run
-                if end == "preempt" and all(self._decoding(seq) for seq in running):
-                    self._preempting_step()
+                if self._clock.now >= next_arrival:
+                    end = "arrival"  # a run that ended at its last quiet step may end past it
+                elif self._waiting_plain(len(running)):
+                    self._step()  # one that prefills, preempts, admits or finishes
                     k += 1
                     self.num_steps += 1
-                    self.num_preempting_steps += 1
                     continue
             if end == "arrival" or not self._lean_step():
                 break
@@ -139,16 +151,19 @@ class FastForward:
             core.stats_tracker.add_host_seconds(time.perf_counter() - start)
             self.num_runs += 1
         self._ended(end)
-        return k
+        return self._finished
+
+    def _waiting_plain(self, num_running: int) -> bool:
+        """Whether the waiting sequences a step with `num_running` running ones may admit
+        are the simulator's plain requests (`_step` admits only those)."""
+        sched = self._engine.core.scheduler
+        room = self._engine.core.config.max_num_seqs - num_running
+        return all(self._plain(seq) for seq in itertools.islice(sched.waiting, room))
 
     def _could_finish(self, seq) -> bool:
         """Whether `seq` may finish in the next step if scheduled (its next token reaches
         max_tokens or max_model_len), or is not one of the simulator's plain requests."""
-        p = seq.sampling_params
-        if (p.stop or p.stop_token_ids or not p.ignore_eos or p.logprobs is not None or p.n != 1
-                or p.prompt_logprobs is not None or seq.pending_forks):
-            return True
-        return self._steps_left(seq) <= 0
+        return not self._plain(seq) or self._steps_left(seq) <= 0
 
     def _lean_step(self) -> bool:
         """One step as engine.step() runs it (the real schedule(), stats and sequence
@@ -181,43 +196,80 @@ class FastForward:
         stats.record_step(output, 0.0, 0.0)
         return True
 
-    def _preempting_step(self) -> None:
-        """A step of decodes in which some sequence cannot grow, as schedule()'s first
-        phase runs it: in running order each grows by a slot, and where the blocks run
-        out the scheduler preempts its choice (Scheduler.preempt_last) until it fits or
-        is itself preempted; nothing is admitted after a preemption that left rows. The caller checked
-        that every running sequence decodes and none finishes."""
+    def _step(self) -> None:
+        """One step as schedule() and the engine's update run it, for plain sequences with
+        nothing swapped: in running order each sequence gets the tokens the budget leaves
+        it (Scheduler.num_new_tokens: a decode 1, a prefill what is missing or, chunked,
+        what fits) and grows to hold them; where the blocks run out the scheduler preempts
+        its choice (Scheduler.preempt_last) until the sequence fits or is itself
+        preempted; unless something was, the scheduler's third phase admits what it
+        admits (Scheduler.admit_after); then the step's time and stats, each row's
+        progress and token where its chunk reaches its end, and the sequences that
+        sampled their last token finish, in row order. The caller checked the
+        preconditions (`_eligible`, `_waiting_plain`)."""
         core = self._engine.core
-        sched, bm, stats = core.scheduler, core.block_manager, core.stats_tracker
+        sched, bm, stats, config = core.scheduler, core.block_manager, core.stats_tracker, core.config
         sched.take_finished_ids()
-        rows, running, i = [], sched.running, 0
-        while i < len(running):
+        rows, running, i, preempted = [], sched.running, 0, False
+        budget = config.max_num_batched_tokens
+        while i < len(running) and budget > 0 and len(rows) < config.max_num_seqs:
             seq = running[i]
-            orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + 1, tokens=seq.token_ids)
-            while orders is None:
-                victims, _ = sched.preempt_last(i)
-                if seq in victims:
-                    break
-                orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + 1, tokens=seq.token_ids)
-            if orders is None:
-                break
-            if orders:
-                raise AssertionError("a decode's allocation copied a block")
-            rows.append(seq)
+            num_new = sched.num_new_tokens(seq, budget)
+            if num_new:
+                orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new, tokens=seq.token_ids)
+                while orders is None:
+                    victims, _ = sched.preempt_last(i)
+                    preempted = True
+                    if seq in victims:
+                        break
+                    orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new, tokens=seq.token_ids)
+                if orders is None:
+                    break  # it was preempted, and everything after it
+                if orders:
+                    raise AssertionError("a plain sequence's allocation copied a block")
+                rows.append((seq, num_new))
+                budget -= num_new
             i += 1
-        if not rows:  # schedule() would go on to admit: a lone decode always fits its pool
-            raise AssertionError("a preempting step preempted every running sequence")
-        for seq in rows:
+        if not rows and preempted:  # schedule() would go on to admit: a lone sequence always fits its pool
+            raise AssertionError("a step preempted every running sequence")
+        for seq, _ in rows:
             bm.table_update(seq.seq_id)
-        n = len(rows)
+        num_tokens, admitted = config.max_num_batched_tokens - budget, []
+        if not preempted:
+            waiting = {seq.seq_id: seq for seq in itertools.islice(sched.waiting, config.max_num_seqs - len(rows))}
+            admitted = [(waiting[chunk.seq_id], chunk.num_tokens) for chunk in sched.admit_after(len(rows), num_tokens)]
+            rows += admitted
+            num_tokens += sum(n for _, n in admitted)
+        if not rows:
+            raise RuntimeError(f"the scheduler cannot make progress: {core.stats()}")
         stats.record_schedule(None)
-        stats.record_step_shape(n, n, n)
-        num_seqs, num_tokens = batch_shape(*self._buckets, n, n) if self._buckets else (n, n)
-        self._clock.now += self._model.seconds(num_tokens, num_seqs, sum(seq.num_computed_tokens for seq in rows) + n)
-        for seq in rows:
-            seq.num_computed_tokens += 1
-            seq.output_token_ids.append(self._token)
-            self._pending[seq] = self._pending.get(seq, 0) + 1
+        context = sampled = 0
+        for seq, n in rows:
+            context += seq.num_computed_tokens + n
+            sampled += seq.num_computed_tokens + n == seq.num_tokens
+        stats.record_step_shape(len(rows), num_tokens, sampled)
+        num_seqs = len(rows)
+        if self._buckets:
+            num_seqs, num_tokens = batch_shape(*self._buckets, num_seqs, num_tokens)
+        self._clock.now += self._model.seconds(num_tokens, num_seqs, context)
+        now, done = self._clock.now, []
+        limit = config.max_model_len
+        prefills = False
+        for seq, n in rows:
+            seq.num_computed_tokens += n
+            prefills |= n > 1
+            if seq.num_computed_tokens == seq.num_tokens:  # its chunk reached the end: it sampled
+                if seq.first_token_time is None:
+                    core.record_first_token(seq, now)
+                seq.output_token_ids.append(self._token)
+                self._pending[seq] = self._pending.get(seq, 0) + 1
+                if len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= limit:
+                    done.append(seq)  # the engine's length check (plain requests have no stops)
+        self.num_prefill_steps += prefills
+        self.num_preempting_steps += preempted
+        self.num_admitting_steps += bool(admitted)
+        if done:
+            self._finish(done)
 
     def _emit(self) -> None:
         """The front end's view of the steps just applied: one delta of all the simulated
@@ -231,85 +283,16 @@ class FastForward:
         if processed.request_outputs or processed.stopped:
             raise AssertionError("a fast-forwarded step finished a request")
 
-    def _continue_prefill(self, running, next_arrival: float) -> tuple[int, str | None]:
-        """Steps in which the last running sequence continues a chunked prefill while the
-        others decode, each as schedule() makes it: the decodes first, then the chunk the
-        budget leaves (Scheduler.num_new_tokens), allocations in that order, the KV
-        figures sampled by the stats' own record_schedule; O(rows) per step, without
-        SchedulerOutput, runner or per-row outputs. Returns (steps, why it stopped; None
-        once the prefill sampled its token, after which every sequence decodes)."""
-        core = self._engine.core
-        sched, bm, stats = core.scheduler, core.block_manager, core.stats_tracker
-        *decoders, p = running
-        n, bs, limit = len(running), bm.block_size, core.config.max_model_len
-        budget = core.config.max_num_batched_tokens - len(decoders)
-        k_max = min((self._steps_left(seq) for seq in decoders), default=1 << 62)
-        counts = [0] * n
-        k, end = 0, None
-        while True:
-            if self._clock.now >= next_arrival:
-                end = "arrival"
-                break
-            chunk = sched.num_new_tokens(p, budget) if budget > 0 else 0
-            if not chunk:
-                end = "not_quiet"  # the chunk does not fit: whatever schedule() does is left to it
-                break
-            sample = p.num_computed_tokens + chunk == p.num_tokens
-            if k >= k_max or (sample and (len(p.output_token_ids) + 1 >= p.sampling_params.max_tokens
-                                          or p.num_tokens + 1 >= limit)):
-                end = "finish"
-                break
-            grown = [seq for seq in decoders if seq.num_computed_tokens % bs == 0]
-            p_blocks = bm.num_blocks_needed(p.num_computed_tokens + chunk) - bm.num_blocks_needed(p.num_computed_tokens)
-            if len(grown) + p_blocks > bm.num_free_blocks:
-                end = "preempt"
-                break
-            for seq in decoders:
-                if bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + 1, tokens=seq.token_ids) != []:
-                    raise AssertionError("a decode's allocation failed or copied a block")
-            if bm.allocate_slots(p.seq_id, p.num_computed_tokens + chunk, tokens=p.token_ids) != []:
-                raise AssertionError("a prefill chunk's allocation failed or copied a block")
-            if sched.would_admit_after(n, len(decoders) + chunk):
-                end = "admit"  # the real step runs it; its allocations are made already
-                break
-            sched.take_finished_ids()
-            for seq in grown:
-                bm.table_update(seq.seq_id)
-            if p_blocks:
-                bm.table_update(p.seq_id)
-            stats.record_schedule(None)
-            stats.record_step_shape(n, len(decoders) + chunk, len(decoders) + sample)
-            num_tokens, num_seqs = len(decoders) + chunk, n
-            if self._buckets:
-                num_seqs, num_tokens = batch_shape(*self._buckets, num_seqs, num_tokens)
-            context = sum(seq.num_computed_tokens for seq in decoders) + len(decoders) + p.num_computed_tokens + chunk
-            self._clock.now += self._model.seconds(num_tokens, num_seqs, context)
-            for seq in decoders:
-                seq.num_computed_tokens += 1
-                seq.output_token_ids.append(self._token)
-            for i in range(n - 1):
-                counts[i] += 1
-            p.num_computed_tokens += chunk
-            k += 1
-            if sample:
-                p.output_token_ids.append(self._token)
-                counts[-1] += 1
-                core.record_first_token(p, self._clock.now)
-                break
-        for seq, c in zip(running, counts):
-            if c:
-                self._pending[seq] = self._pending.get(seq, 0) + c
-        return k, end
-
     def _decode_run(self, running, next_arrival: float) -> tuple[int, str]:
-        """Quiet steps (every running sequence decodes), O(1) per step plus one
+        """Quiet steps (the caller checked that every running sequence decodes and the
+        preconditions hold), O(1) per step plus one
         allocate_slots per block that fills or is added (module docstring); returns
         (steps, why the run stopped)."""
         core = self._engine.core
         sched, bm, stats = core.scheduler, core.block_manager, core.stats_tracker
-        k_max = self._quiet(running)
+        k_max = min(self._steps_left(seq) for seq in running)
         if k_max <= 0 or next_arrival <= self._clock.now:
-            return 0, ("not_quiet" if k_max <= 0 else "arrival")
+            return 0, ("finish" if k_max <= 0 else "arrival")
         n, bs = len(running), bm.block_size
         caching = bm.enable_prefix_caching
         computed = [seq.num_computed_tokens for seq in running]
@@ -383,6 +366,27 @@ class FastForward:
             for seq in running:
                 self._pending[seq] = self._pending.get(seq, 0) + k
         return k, end
+
+    def _finish(self, done) -> None:
+        """End `done` (running order, as the step's update() ends them: their blocks go
+        to the free queue in that order) at the clock's time, and report their requests'
+        final outputs, all the tokens the fast-forward sampled for them included."""
+        now = self._clock.now
+        self.num_finishing_steps += 1
+        outputs = []
+        for seq in done:
+            self._engine.core.finish_by_length(seq, now)
+            c = self._pending.pop(seq, 0)
+            outputs.append(EngineCoreOutput(
+                seq.request_id, [CompletionDelta(seq.index, [self._token] * c, [0.0] * c, None, seq.cumulative_logprob,
+                                                 SequenceStatus.FINISHED_LENGTH.value)],
+                True, now, seq.arrival_time, seq.first_token_time, seq.num_cached_tokens))
+        processed = self._engine.output_processor.process(outputs)
+        if processed.stopped or len(processed.request_outputs) != len(done):
+            raise AssertionError("the front end did not finish the requests the fast-forward finished")
+        self._finished.extend(processed.request_outputs)
+        if self._progress is not None:
+            self._progress(len(done))
 
     def _ended(self, reason: str) -> None:
         self.run_ends[reason] = self.run_ends.get(reason, 0) + 1

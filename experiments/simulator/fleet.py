@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from experiments.simulator.fast_forward import FastForward
-from experiments.simulator.simulator import SIMULATED_TOKEN_ID, RequestTimes, latency_figures, simulated_serving
+from experiments.simulator.simulator import (SIMULATED_TOKEN_ID, RequestTimes, latency_figures, record_finished,
+                                            simulated_serving)
 from paged_jax.core.sampling_params import SamplingParams
 
 
@@ -72,19 +73,12 @@ class FleetSimulator:
                 self._route(next_index)
                 next_index += 1
                 continue
-            finished = 0
-            for out in replica.engine.step():
-                if out.finished:
-                    metrics = out.metrics
-                    self.times[int(out.request_id)] = RequestTimes(
-                        metrics["arrival_time"], metrics["first_token_time"], metrics["finish_time"],
-                        len(out.outputs[0].token_ids))
-                    replica.in_flight -= 1
-                    finished += 1
+            finished = record_finished(replica.engine.step(), self.times)
             if progress is not None and finished:
                 progress(finished)
             if replica.fast_forward is not None:
-                replica.fast_forward.advance(arrival)
+                finished += record_finished(replica.fast_forward.advance(arrival, progress), self.times)
+            replica.in_flight -= finished
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**fleet_figures(self), "wall_seconds": wall, "cpu_seconds": cpu}
 

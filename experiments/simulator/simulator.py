@@ -114,21 +114,28 @@ class Simulator:
             if not engine.has_unfinished_requests():  # idle until the next arrival
                 clock.now = trace[next_index].arrival_time
                 continue
-            finished = 0
-            for out in engine.step():
-                if out.finished:
-                    metrics = out.metrics
-                    self.times[int(out.request_id)] = RequestTimes(
-                        metrics["arrival_time"], metrics["first_token_time"], metrics["finish_time"],
-                        len(out.outputs[0].token_ids))
-                    finished += 1
+            finished = record_finished(engine.step(), self.times)
             if progress is not None and finished:
                 progress(finished)
             if self.fast_forward is not None:
-                self.fast_forward.advance(trace[next_index].arrival_time if next_index < len(trace) else math.inf)
+                next_arrival = trace[next_index].arrival_time if next_index < len(trace) else math.inf
+                record_finished(self.fast_forward.advance(next_arrival, progress), self.times)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
                 "cpu_seconds": cpu}
+
+
+def record_finished(outputs, times: dict) -> int:
+    """Put each finished request's virtual times into `times` (trace index -> RequestTimes);
+    returns how many finished."""
+    finished = 0
+    for out in outputs:
+        if out.finished:
+            metrics = out.metrics
+            times[int(out.request_id)] = RequestTimes(metrics["arrival_time"], metrics["first_token_time"],
+                                                      metrics["finish_time"], len(out.outputs[0].token_ids))
+            finished += 1
+    return finished
 
 
 def simulated_serving(model_config, step_model: StepTimeModel):

@@ -115,7 +115,9 @@ class BlockManager(SwappingMixin):
         `ids` (k = 0 at the first call and after a swap rebuilt it). A runner keeping
         tables between steps needs only this: mostly `(len(table), ())`, O(1)."""
         table = self._require(seq_id)
-        k = self._changed.pop(seq_id, len(table))
+        k = self._changed.pop(seq_id, None)
+        if k is None:  # unchanged since the last call: most decode steps
+            return len(table), ()
         return k, tuple(b.block_id for b in table[k:])
 
     def _mark(self, seq_id: int, index: int) -> None:
@@ -128,11 +130,13 @@ class BlockManager(SwappingMixin):
     def num_tokens_held(self) -> int:
         """Tokens stored in device blocks, counting each physical block once: every held
         block is full except a table's last one (shared only by forks, at the same fill)."""
-        fill: dict[int, int] = {}  # block id -> tokens in a partly full last block
-        for seq_id, table in self._device_tables():
-            if self._num_tokens[seq_id] % self.block_size:
-                fill[table[-1].block_id] = self._num_tokens[seq_id] % self.block_size
-        return self.num_slots_allocated() - sum(self.block_size - f for f in fill.values())
+        bs, counts, swapped = self.block_size, self._num_tokens, self._swapped
+        fill: dict[int, int] = {}  # block id -> tokens in a partly full last block (the stats sample it every step)
+        for seq_id, table in self._tables.items():
+            r = counts[seq_id] % bs
+            if r and seq_id not in swapped:
+                fill[table[-1].block_id] = r
+        return self.num_slots_allocated() - sum(bs - f for f in fill.values())
 
     def num_slots_allocated(self) -> int:
         """Token slots in device blocks held by some sequence (each block once): O(1), as

@@ -71,6 +71,7 @@ class Scheduler:
         self.prefix_cache_query_tokens = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in cached blocks
         self._finished_ids: list[int] = []  # finished since the last schedule(): the runner drops their tables
+        self._rows_before = 0  # rows a step took before schedule()'s phases ran (admit_after)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -196,7 +197,15 @@ class Scheduler:
                         raise AssertionError("checked above: the group and its growth fit")
 
         # 3. waiting sequences, in queue order (FCFS or priority), while blocks and budget last
-        while self.waiting and may_bring_in and not self.swapped and self._has_room():
+        if may_bring_in and not self.swapped:
+            self._admit_waiting()
+
+        return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
+                               tuple(preempted), self.take_finished_ids())
+
+    def _admit_waiting(self) -> None:
+        bm = self.block_manager
+        while self.waiting and self._has_room():
             seq = self.waiting[0]
             plan = self._admission(seq, self._budget)
             if plan is None:
@@ -220,8 +229,23 @@ class Scheduler:
                 if self._has_room():
                     self._try_schedule(child, self._num_new_tokens(child))
 
-        return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
-                               tuple(preempted), self.take_finished_ids())
+    def admit_after(self, num_rows: int, num_tokens: int) -> list[ScheduledChunk]:
+        """schedule()'s third phase after the running sequences took `num_rows` rows and
+        `num_tokens` tokens (their slots allocated, nothing preempted, nothing swapped):
+        admits what it admits and returns their chunks. For callers that step running
+        sequences without schedule() (the simulator's fast-forward)."""
+        self._budget = self.config.max_num_batched_tokens - num_tokens
+        self._chunks, self._copies = [], []
+        if self.swapped:
+            return []
+        self._rows_before = num_rows
+        try:
+            self._admit_waiting()
+        finally:
+            self._rows_before = 0
+        if self._copies:
+            raise AssertionError("an admission copied a block")
+        return self._chunks
 
     def _admission(self, seq: Sequence, budget: int):
         """(cached blocks, cached tokens, tokens to compute now) if waiting `seq` fits
@@ -267,7 +291,7 @@ class Scheduler:
             self.priority.insert(self.running, seq)
 
     def _has_room(self) -> bool:
-        return self._budget > 0 and len(self._chunks) < self.config.max_num_seqs
+        return self._budget > 0 and self._rows_before + len(self._chunks) < self.config.max_num_seqs
 
     def _fit_budget(self, missing: int, budget: int | None = None) -> int:
         """All missing tokens if they fit the budget (default: this step's left); else,
@@ -323,7 +347,7 @@ class Scheduler:
         (within the budget and rows left) need, copy-on-write of shared last blocks
         included (BlockManager.num_growth_blocks)."""
         bm, request_id = self.block_manager, self.running[i].request_id
-        budget, rows, targets = self._budget, len(self._chunks), {}
+        budget, rows, targets = self._budget, self._rows_before + len(self._chunks), {}
         for seq in itertools.takewhile(lambda s: s.request_id == request_id, self.running[i:]):
             num_new = self.num_new_tokens(seq, budget) if budget > 0 and rows < self.config.max_num_seqs else 0
             if num_new:

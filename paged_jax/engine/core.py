@@ -335,6 +335,17 @@ class EngineCore:
         return CompletionDelta(seq.index, [token], [logprob], top, seq.cumulative_logprob,
                                status.value if status is not None else None, seq.stop_reason)
 
+    def finish_by_length(self, seq: Sequence, now: float) -> None:
+        """End running `seq` as a step whose token reached max_tokens or max_model_len
+        does (its blocks freed, its request dropped once all its sequences ended). For
+        callers that apply steps without the runner (the simulator's fast-forward), which
+        report the request's final output themselves."""
+        seq.finish_time = now
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        request = self._requests[seq.request_id]
+        if request.finished:
+            self._drop(request)
+
     def _record_prompt_logprobs(self, output, prompt) -> None:
         """Queue each scored prompt position on its request (sent with its next output).
         Positions come in order; after a recompute preemption a prefill scores its prompt

@@ -96,6 +96,8 @@ def test_fast_forward_leaves_the_engine_where_step_by_step_does(case):
     assert fast_sim.fast_forward.num_steps > 0.3 * slow_figures["num_steps"], "the case has quiet runs to skip"
     assert fast_sim.fast_forward.num_prefill_steps >= MIN_PREFILL_STEPS.get(case, 0)
     assert fast_sim.fast_forward.num_preempting_steps >= MIN_PREEMPTING_STEPS.get(case, 0)
+    assert fast_sim.fast_forward.num_finishing_steps >= len(trace) // 4, "steps that finish requests are applied"
+    assert fast_sim.fast_forward.num_admitting_steps >= len(trace) // 5, "steps that admit requests are applied"
     assert len(fast_states) + fast_sim.fast_forward.num_steps == len(slow_states)  # lean steps call schedule()
     for step, state in fast_states.items():
         assert state == slow_states[step], f"state before step {step}"
