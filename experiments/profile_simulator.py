@@ -7,7 +7,7 @@ Why: the simulator's speed is host Python per step, and which part dominates (re
 engine steps vs fast-forwarded runs; scheduling, block tables, outputs, stats) decides
 what to make faster. This runs `experiments.simulate`'s default one-engine setup
 (paged, block 16, 32 sequences, 256 tokens, all requests at t = 0) and records the
-split of steps (real `engine.step()` calls vs fast-forwarded quiet steps), why each
+split of steps (real `engine.step()` calls vs fast-forwarded steps), why each
 fast-forward run ended, and the functions with the most own and cumulative time.
 cProfile roughly doubles the wall time; `--noprofile` measures it without.
 """

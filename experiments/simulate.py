@@ -10,8 +10,8 @@ all made by host-side Python that needs no model. So the simulator builds a real
 LLMEngine (scheduler, BlockManager or ContiguousAllocator, stop checks, outputs, stats)
 through its injection points (experiments/simulator/simulator.py): a runner that samples a fixed token per scheduled row
 instead of running a model and a virtual clock that each step advances by a step-time
-model fitted to the real engine (runs of quiet decode steps are applied directly, with
-the same effect: experiments/simulator/fast_forward.py) (experiments/simulator/step_time_model.py, fitted by
+model fitted to the real engine (steps of plain requests are applied directly, at the cost
+of their events, with the same effect: experiments/simulator/fast_forward.py) (experiments/simulator/step_time_model.py, fitted by
 experiments/calibrate_step_time.py). Requests join at their virtual arrival times, run
 with ignore_eos and the trace's max_tokens, so their lengths are the trace's. Because it
 is the engine's own code, the schedule is the real engine's step for step

@@ -6,35 +6,30 @@ stats: ~20 us per sequence-step on a slow core) although with the simulator's ru
 most of what a step changes is known in advance. `FastForward.advance` applies
 steps until a request arrives (or a step needs the real engine), in three ways:
 
-- quiet runs (every running sequence decodes one token; nobody is admitted, preempted or
-  finished): O(1) per step plus one `allocate_slots` call per block that fills or is
-  added, the stats' figures tracked incrementally with `kv_waste`'s formulas;
-- any other step of plain sequences with nothing swapped (`_step`: prefill chunks,
-  preemption, admission, finishes): O(rows), schedule()'s rules through the scheduler's
-  own pieces (`Scheduler.num_new_tokens` for each row's chunk, `preempt_last` for the
-  victim, `admit_after` for its third phase), the engine's update and length check,
-  finishes through the core (`EngineCore.finish_by_length`), the requests' final
-  outputs from the real front end; no SchedulerOutput, runner or per-row outputs;
-- the rest (swapped sequences coming back, an empty running queue): the real
+- runs of steps whose running sequences all decode but maybe the last, which may
+  prefill (`LazyRun`, lazy_run.py): O(1) per step plus its events (a block added or
+  filled, an admission, a finish, a preemption), whatever mix of them the step has,
+  through the scheduler's own pieces (`Scheduler.num_new_tokens` for a chunk,
+  `preempt_last` for the victim, `admit_after` for its third phase) and the engine's
+  length check; decoding rows are brought up to date only where something reads them;
+- the rest (swapped sequences coming back, an empty running queue, under priority a
+  chunked prefill admitted before the tail): the real
   `schedule()`, stats and sequence updates, without the runner and per-row outputs
   (`_lean_step`), if no sequence it may schedule can finish in it; else the real
   `engine.step()`.
 
+Finishes go through the core (`EngineCore.finish_by_length`), the requests' final
+outputs through the real front end; no SchedulerOutput, runner or per-row outputs.
 Exactness (tests/experiments/test_fast_forward.py compares every request's times, the
 stats and the block tables at every schedule() call against step-by-step runs): block
-allocations are made by the real block manager in the real order (step by step,
-running order, then admissions), so block ids, prefix-cache registrations and
-evictions are the engine's; a quiet run stops before a step if a request arrives by
-then, a sequence would finish in it or, after its allocations, the scheduler would
-admit the waiting head (`Scheduler.would_admit_after`, its own admission test; the
-`_step` that follows finds its allocations made). Finished sequences' blocks are freed
-in row order, as update() frees them. The KV figures of `_step`s come from the stats'
-own `record_schedule`; the sequences finished by a step are taken off the scheduler
-(`take_finished_ids`) by the next step applied without schedule(), as that step's
-schedule() would report them to a runner (the simulator's keeps no tables). The front
-end gets, per sequence, one delta of all the tokens it sampled in the steps applied
-(a finished one's at its last step's time), which its accumulation makes the same as
-one delta per step.
+allocations are made by the real block manager in the real order (running order, then
+admissions), so block ids, prefix-cache registrations and evictions are the engine's.
+Finished sequences' blocks are freed in row order, as update() frees them. The
+sequences finished by a step are taken off the scheduler (`take_finished_ids`) by the
+next step applied without schedule(), as that step's schedule() would report them to a
+runner (the simulator's keeps no tables). The front end gets, per sequence, one delta
+of all the tokens it sampled in the steps applied (a finished one's at its last step's
+time), which its accumulation makes the same as one delta per step.
 
 Preconditions (checked; anything else runs through `_lean_step` or step by step): the
 simulator's own requests (one greedy completion, ignore_eos, no stop strings or
@@ -50,8 +45,8 @@ import time
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.sequence import SequenceStatus
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
+from experiments.simulator.lazy_run import LazyRun
 from experiments.simulator.step_time_model import step_features
-from paged_jax.worker.batch_inputs import batch_shape
 
 
 class FastForward:
@@ -61,7 +56,7 @@ class FastForward:
         charges per step; `token_id`: what that runner samples."""
         self._engine, self._clock, self._model = engine, clock, step_model
         self._token, self._buckets = token_id, buckets
-        self.num_steps = 0  # steps applied without schedule() so far (quiet runs and _step)
+        self.num_steps = 0  # steps applied without schedule() so far (LazyRun)
         self.num_prefill_steps = 0  # of those, steps with a prefill chunk (of 2+ tokens)
         self.num_preempting_steps = 0  # of those, steps that preempted (recompute or swap)
         self.num_admitting_steps = 0  # of those, steps that admitted waiting sequences
@@ -70,8 +65,10 @@ class FastForward:
         self.num_runs = 0  # advance() calls that fast-forwarded at least one step
         self._plain_ids: set[int] = set()  # sequences _eligible found plain
         # why each advance() call stopped (experiments/profile_simulator.py reports it):
-        # arrival, or the last quiet run's end (finish: a sequence's last token is next;
-        # not_quiet, preempt or admit) where the step after it could not be applied
+        # arrival; or the last LazyRun's end (idle: nothing running; swapped: a swap
+        # preemption; not_plain: a waiting request the fast-forward does not step;
+        # inserted: an admission before the tail) or not_eligible, where neither the
+        # fast-forward nor _lean_step could apply the next step
         self.run_ends: dict[str, int] = {}
 
     def _eligible(self, running) -> bool:
@@ -102,6 +99,10 @@ class FastForward:
     def _decoding(seq) -> bool:
         return seq.num_computed_tokens == seq.num_tokens - 1 and seq.first_token_time is not None
 
+    def _lazy_shape(self, running) -> bool:
+        """Every running sequence decodes but maybe the last (LazyRun's precondition)."""
+        return all(self._decoding(seq) for seq in itertools.islice(running, len(running) - 1))
+
     def _remaining(self, seq) -> int:
         """Tokens a decoding `seq` has left to sample: the step that samples the last one
         (reaching max_tokens or max_model_len) finishes it."""
@@ -114,8 +115,8 @@ class FastForward:
 
     def advance(self, next_arrival: float, progress=None) -> list:
         """Apply steps until a request arrives at `next_arrival` or a step needs the real
-        engine.step(): quiet runs and the step after each directly (`_step`), steps with
-        swapped sequences or none running through the real scheduler (`_lean_step`);
+        engine.step(): runs of steps directly (LazyRun), the other steps through the
+        real scheduler (`_lean_step`) where they can finish nothing;
         returns the RequestOutputs of the requests that finished in them, as
         engine.step() would have. `progress(n)`, if given, is called as n finish (a
         trace whose requests all arrive at once runs in one call)."""
@@ -127,20 +128,20 @@ class FastForward:
         self._progress = progress
         k, end = 0, "arrival"
         while self._clock.now < next_arrival:
-            running = list(sched.running)
-            end = "not_quiet"
+            running = sched.running
+            end = "not_eligible"
             if self._eligible(running):
-                if all(self._decoding(seq) for seq in running):
-                    run, end = self._decode_run(running, next_arrival)
-                    k += run
-                    self.num_steps += run
-                if self._clock.now >= next_arrival:
-                    end = "arrival"  # a run that ended at its last quiet step may end past it
-                elif self._waiting_plain(len(running)):
-                    self._step()  # one that prefills, preempts, admits or finishes
-                    k += 1
-                    self.num_steps += 1
-                    continue
+                if self._lazy_shape(running) and self._waiting_plain():
+                    run, end = LazyRun(self), None
+                    while self._clock.now < next_arrival and end is None:
+                        end = run.apply()
+                    run.finish_run()
+                    k += run.step
+                    if self._clock.now >= next_arrival:
+                        end = "arrival"
+                        break
+                    if run.step:
+                        continue  # a swapped group, a non-plain waiting head or a priority insertion: look again
             if end == "arrival" or not self._lean_step():
                 break
             k += 1
@@ -153,12 +154,11 @@ class FastForward:
         self._ended(end)
         return self._finished
 
-    def _waiting_plain(self, num_running: int) -> bool:
-        """Whether the waiting sequences a step with `num_running` running ones may admit
-        are the simulator's plain requests (`_step` admits only those)."""
+    def _waiting_plain(self) -> bool:
+        """Whether the waiting sequences a step may admit (at most max_num_seqs) are the
+        simulator's plain requests (LazyRun admits only those)."""
         sched = self._engine.core.scheduler
-        room = self._engine.core.config.max_num_seqs - num_running
-        return all(self._plain(seq) for seq in itertools.islice(sched.waiting, room))
+        return all(self._plain(seq) for seq in itertools.islice(sched.waiting, self._engine.core.config.max_num_seqs))
 
     def _could_finish(self, seq) -> bool:
         """Whether `seq` may finish in the next step if scheduled (its next token reaches
@@ -196,81 +196,6 @@ class FastForward:
         stats.record_step(output, 0.0, 0.0)
         return True
 
-    def _step(self) -> None:
-        """One step as schedule() and the engine's update run it, for plain sequences with
-        nothing swapped: in running order each sequence gets the tokens the budget leaves
-        it (Scheduler.num_new_tokens: a decode 1, a prefill what is missing or, chunked,
-        what fits) and grows to hold them; where the blocks run out the scheduler preempts
-        its choice (Scheduler.preempt_last) until the sequence fits or is itself
-        preempted; unless something was, the scheduler's third phase admits what it
-        admits (Scheduler.admit_after); then the step's time and stats, each row's
-        progress and token where its chunk reaches its end, and the sequences that
-        sampled their last token finish, in row order. The caller checked the
-        preconditions (`_eligible`, `_waiting_plain`)."""
-        core = self._engine.core
-        sched, bm, stats, config = core.scheduler, core.block_manager, core.stats_tracker, core.config
-        sched.take_finished_ids()
-        rows, running, i, preempted = [], sched.running, 0, False
-        budget = config.max_num_batched_tokens
-        while i < len(running) and budget > 0 and len(rows) < config.max_num_seqs:
-            seq = running[i]
-            num_new = sched.num_new_tokens(seq, budget)
-            if num_new:
-                orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new, tokens=seq.token_ids)
-                while orders is None:
-                    victims, _ = sched.preempt_last(i)
-                    preempted = True
-                    if seq in victims:
-                        break
-                    orders = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new, tokens=seq.token_ids)
-                if orders is None:
-                    break  # it was preempted, and everything after it
-                if orders:
-                    raise AssertionError("a plain sequence's allocation copied a block")
-                rows.append((seq, num_new))
-                budget -= num_new
-            i += 1
-        if not rows and preempted:  # schedule() would go on to admit: a lone sequence always fits its pool
-            raise AssertionError("a step preempted every running sequence")
-        for seq, _ in rows:
-            bm.table_update(seq.seq_id)
-        num_tokens, admitted = config.max_num_batched_tokens - budget, []
-        if not preempted:
-            waiting = {seq.seq_id: seq for seq in itertools.islice(sched.waiting, config.max_num_seqs - len(rows))}
-            admitted = [(waiting[chunk.seq_id], chunk.num_tokens) for chunk in sched.admit_after(len(rows), num_tokens)]
-            rows += admitted
-            num_tokens += sum(n for _, n in admitted)
-        if not rows:
-            raise RuntimeError(f"the scheduler cannot make progress: {core.stats()}")
-        stats.record_schedule(None)
-        context = sampled = 0
-        for seq, n in rows:
-            context += seq.num_computed_tokens + n
-            sampled += seq.num_computed_tokens + n == seq.num_tokens
-        stats.record_step_shape(len(rows), num_tokens, sampled)
-        num_seqs = len(rows)
-        if self._buckets:
-            num_seqs, num_tokens = batch_shape(*self._buckets, num_seqs, num_tokens)
-        self._clock.now += self._model.seconds(num_tokens, num_seqs, context)
-        now, done = self._clock.now, []
-        limit = config.max_model_len
-        prefills = False
-        for seq, n in rows:
-            seq.num_computed_tokens += n
-            prefills |= n > 1
-            if seq.num_computed_tokens == seq.num_tokens:  # its chunk reached the end: it sampled
-                if seq.first_token_time is None:
-                    core.record_first_token(seq, now)
-                seq.output_token_ids.append(self._token)
-                self._pending[seq] = self._pending.get(seq, 0) + 1
-                if len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= limit:
-                    done.append(seq)  # the engine's length check (plain requests have no stops)
-        self.num_prefill_steps += prefills
-        self.num_preempting_steps += preempted
-        self.num_admitting_steps += bool(admitted)
-        if done:
-            self._finish(done)
-
     def _emit(self) -> None:
         """The front end's view of the steps just applied: one delta of all the simulated
         tokens each sequence sampled in them (its accumulation makes that k deltas of one)."""
@@ -282,90 +207,6 @@ class FastForward:
             for seq, c in self._pending.items()])
         if processed.request_outputs or processed.stopped:
             raise AssertionError("a fast-forwarded step finished a request")
-
-    def _decode_run(self, running, next_arrival: float) -> tuple[int, str]:
-        """Quiet steps (the caller checked that every running sequence decodes and the
-        preconditions hold), O(1) per step plus one
-        allocate_slots per block that fills or is added (module docstring); returns
-        (steps, why the run stopped)."""
-        core = self._engine.core
-        sched, bm, stats = core.scheduler, core.block_manager, core.stats_tracker
-        k_max = min(self._steps_left(seq) for seq in running)
-        if k_max <= 0 or next_arrival <= self._clock.now:
-            return 0, ("finish" if k_max <= 0 else "arrival")
-        n, bs = len(running), bm.block_size
-        caching = bm.enable_prefix_caching
-        computed = [seq.num_computed_tokens for seq in running]
-        outputs = [len(seq.output_token_ids) for seq in running]
-        finals = [seq.final_num_tokens for seq in running]
-        slots = [bm.num_blocks_needed(c) * bs for c in computed]
-        # sequences whose step j adds a block ((c + j) % bs == 0) or, with prefix caching,
-        # fills one ((c + j + 1) % bs == 0: it is registered), in running order, by j % bs
-        grows: dict[int, list[int]] = {}
-        events: dict[int, list[int]] = {}
-        for i, c in enumerate(computed):
-            grows.setdefault(-c % bs, []).append(i)
-            events.setdefault(-c % bs, []).append(i)
-            if caching and bs > 1:
-                events.setdefault(-(c + 1) % bs, []).append(i)
-        for phase in events:
-            events[phase].sort()
-        if caching:  # a block's registration reads its tokens: the run's tokens are there first
-            for seq in running:
-                seq.output_token_ids.extend([self._token] * k_max)
-        held, held_by_seqs = bm.num_tokens_held(), sum(computed)
-        without_sharing = bm.num_blocks_without_sharing()
-        reserved = sum(min(f, s) for f, s in zip(finals, slots))  # kv_waste: sum of min(final, slots)
-        internal = sum(max(s - f, 0) for f, s in zip(finals, slots))
-        context = sum(computed) + n  # a step's context tokens: each row attends to start + 1
-        if self._buckets:
-            num_seqs, num_tokens = batch_shape(*self._buckets, n, n)
-        else:
-            num_seqs, num_tokens = n, n
-        k, handover, end = 0, False, "finish"
-        while k < k_max:
-            if self._clock.now >= next_arrival:
-                end = "arrival"
-                break
-            phase = k % bs
-            grown = grows.get(phase, ())
-            if len(grown) > bm.num_free_blocks:
-                end = "preempt"
-                break  # a sequence could not grow: the real step preempts
-            for i in events.get(phase, ()):
-                seq = running[i]
-                if bm.allocate_slots(seq.seq_id, computed[i] + k + 1, tokens=seq.token_ids) != []:
-                    raise AssertionError("a quiet step's allocation failed or copied a block")
-            if sched.would_admit_after(n, n):
-                handover, end = True, "admit"  # the real step runs it; its allocations are made already
-                break
-            sched.take_finished_ids()  # what this step's schedule() would report (the runner keeps no tables)
-            for i in grown:
-                bm.table_update(running[i].seq_id)  # the runner's table update, as _add_chunk takes it
-                old, slots[i] = slots[i], slots[i] + bs
-                reserved += min(finals[i], slots[i]) - min(finals[i], old)
-                internal += max(slots[i] - finals[i], 0) - max(old - finals[i], 0)
-            without_sharing += len(grown)
-            held += n
-            held_by_seqs += n
-            stats.record_decode_step(n, slots=bm.num_slots_allocated(), held=held,
-                                     waste={"internal": internal, "reservation": reserved - held_by_seqs,
-                                            "external": 0},
-                                     blocks_without_sharing=without_sharing, step_seconds=0.0)
-            self._clock.now += self._model.seconds(num_tokens, num_seqs, context + k * n)
-            k += 1
-        for i, seq in enumerate(running):
-            if caching:
-                del seq.output_token_ids[outputs[i] + k:]
-            else:
-                seq.output_token_ids.extend([self._token] * k)
-            seq.num_computed_tokens = computed[i] + k
-            # the count a step-by-step run leaves (a handed-over step: its own allocation's)
-            bm.allocate_slots(seq.seq_id, computed[i] + k + handover, tokens=seq.token_ids)
-        if k:
-            for seq in running:
-                self._pending[seq] = self._pending.get(seq, 0) + k
-        return k, end
 
     def _finish(self, done) -> None:
         """End `done` (running order, as the step's update() ends them: their blocks go

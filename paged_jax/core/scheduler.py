@@ -261,16 +261,6 @@ class Scheduler(Preemption):
             return None
         return hits, num_cached, num_new
 
-    def would_admit_after(self, num_rows: int, num_tokens: int) -> bool:
-        """Whether a step whose running sequences took `num_rows` rows and `num_tokens`
-        tokens (their slots already allocated) would go on to admit the head of the
-        waiting queue, as schedule()'s third phase decides. For callers that step running
-        sequences without schedule() (the simulator's fast-forward); changes nothing."""
-        if not self.waiting or self.swapped or num_rows >= self.config.max_num_seqs:
-            return False
-        budget = self.config.max_num_batched_tokens - num_tokens
-        return budget > 0 and self._admission(self.waiting[0], budget) is not None
-
     def take_finished_ids(self) -> tuple[int, ...]:
         """The sequences finished since the last call (schedule()'s output names them, so
         the runner drops their tables); public for callers that step without schedule()

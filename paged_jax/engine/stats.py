@@ -92,18 +92,13 @@ class EngineStats:
             self.saturated_sampled_tokens += num_sampled
         self.step_log.append((num_seqs, num_tokens, step_seconds - device_seconds, device_seconds))
 
-    def record_decode_step(self, num_seqs: int, *, slots: int, held: int, waste: dict,
-                           blocks_without_sharing: int, step_seconds: float) -> None:
-        """What record_schedule + record_step add for a step of `num_seqs` one-token decodes
-        that ran without a SchedulerOutput (the simulator's fast-forward): its KV figures
-        after allocation as the caller tracked them, and its host seconds (no device)."""
+    def record_step_figures(self, num_seqs: int, num_tokens: int, num_sampled: int, *, slots: int, held: int,
+                            waste: dict, blocks_without_sharing: int) -> None:
+        """What record_schedule + record_step add for a step that ran without a
+        SchedulerOutput (the simulator's fast-forward): its KV figures after allocation as
+        the caller tracked them, and its shape; its host seconds come by add_host_seconds,
+        no device."""
         self._add_schedule(slots, held, waste, blocks_without_sharing)
-        self._add_step(num_seqs, num_seqs, num_seqs, step_seconds, 0.0)
-
-    def record_step_shape(self, num_seqs: int, num_tokens: int, num_sampled: int) -> None:
-        """What record_step adds for a step that ran without a SchedulerOutput (the
-        simulator's fast-forward; record_schedule has sampled its KV figures): its rows,
-        tokens and sampled rows; its host seconds come by add_host_seconds, no device."""
         self._add_step(num_seqs, num_tokens, num_sampled, 0.0, 0.0)
 
     def add_host_seconds(self, seconds: float) -> None:

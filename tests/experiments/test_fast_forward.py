@@ -38,6 +38,8 @@ CASES = {
     "block-size-1": {"num_blocks": 160, "block_size": 1},
     "bucketed": {"num_blocks": 40, "seq_buckets": (2, 4, 6), "token_buckets": (8, 32)},
     "chunked-prefill": {"num_blocks": 60, "max_num_batched_tokens": 8},  # most prompts take several chunks
+    # every third request samples one token: it finishes in its prefill step, some beside decodes that finish
+    "one-token-outputs": {"num_blocks": 40},
 }
 # steps of each special kind the case must fast-forward: a chunked prefill's continuation,
 # decodes that preempt (recompute or swap)
@@ -46,8 +48,11 @@ MIN_PREEMPTING_STEPS = {"recompute-preemption": 15, "swap-preemption": 8, "prefi
 IGNORED = {"host_seconds_per_step", "host_fraction", "saturated_tokens_per_s", "wall_seconds", "cpu_seconds"}
 
 
-def _trace(shared_prefix: bool):
+def _trace(shared_prefix: bool, one_token_outputs: bool = False):
     trace = make_trace("alpaca", 40, seed=5, scale=0.6, max_model_len=96, vocab_size=256, request_rate=6.0)
+    if one_token_outputs:  # all at t = 0: a finish frees a row, the next step admits into it
+        trace = [dataclasses.replace(r, max_tokens=1 if i % 3 == 0 else r.max_tokens, arrival_time=0.0)
+                 for i, r in enumerate(trace)]
     if shared_prefix:  # 3 system prompts of 12 tokens before each prompt: hits, and evictions under pressure
         rng = np.random.default_rng(1)
         systems = [list(rng.integers(4, 256, 12)) for _ in range(3)]
@@ -83,7 +88,7 @@ class _Recorder:
 def test_fast_forward_leaves_the_engine_where_step_by_step_does(case):
     options = {**BASE, **CASES[case]}
     step_model = dataclasses.replace(STEP_MODEL, bucketed=True) if "seq_buckets" in options else STEP_MODEL
-    trace = _trace(options.get("enable_prefix_caching", False))
+    trace = _trace(options.get("enable_prefix_caching", False), case == "one-token-outputs")
     config = EngineConfig(**options)
     runs = {}
     for fast in (False, True):
