@@ -68,6 +68,7 @@ class LazyRun:
         self.tail = None  # the prefilling row, if any (the last in running)
         self.S = self.H = self.R = self.I = 0  # sums of slots, counts, min(f, s), max(s - f, 0)
         self._no_admit = None  # (head, rows, tokens, free blocks) of the last admission that failed
+        self._shapes: dict = {}  # (rows, tokens) -> batch_shape
         for seq in self.sched.running:
             row = self._add(seq, self.bm.num_tokens(seq.seq_id))
             if seq.num_computed_tokens == seq.num_tokens - 1 and seq.first_token_time is not None:
@@ -241,7 +242,10 @@ class LazyRun:
             blocks_without_sharing=self.S // bs)
         num_seqs, shaped_tokens = num_rows, num_tokens
         if ff._buckets:
-            num_seqs, shaped_tokens = batch_shape(*ff._buckets, num_rows, num_tokens)
+            shape = self._shapes.get((num_rows, num_tokens))
+            if shape is None:
+                shape = self._shapes[num_rows, num_tokens] = batch_shape(*ff._buckets, num_rows, num_tokens)
+            num_seqs, shaped_tokens = shape
         ff._clock.now += ff._model.seconds(shaped_tokens, num_seqs, self.H)
         # progress: the prefilling rows' chunks, then who sampled their last token (in
         # running order: the decoding rows, in ticket order in their finish_at list, then
@@ -305,7 +309,10 @@ class LazyRun:
             by_id = {s.seq_id: s for s in running}
             seqs, end = [by_id[i] for i in ids], "inserted"  # the run ends after this step
         admitted = [(self._add(seq, c.start_position + c.num_tokens), c.num_tokens) for seq, c in zip(seqs, chunks)]
-        if not self.ff._waiting_plain():
+        # the window of waiting sequences a step may admit gained the len(chunks) after it (the
+        # rest was checked before: preemptions only push plain victims into it)
+        window = self.config.max_num_seqs
+        if not all(self.ff._plain(seq) for seq in itertools.islice(sched.waiting, max(window - len(chunks), 0), window)):
             end = "not_plain"
         return admitted, end
 

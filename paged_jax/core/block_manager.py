@@ -241,6 +241,18 @@ class BlockManager(SwappingMixin):
                     if keys is None or len(keys) < num_total_tokens // self.block_size:
                         self._cache_full_blocks(seq_id, tokens)
                 return []
+            # Growth without copy-on-write (the last block is full or private): new blocks
+            # at the end, the general path's effect without its validation of a new call
+            if current <= num_total_tokens and (current % self.block_size == 0 or table[-1].ref_count == 1):
+                num_new = -(-num_total_tokens // self.block_size) - len(table)
+                if num_new > self.num_free_blocks:
+                    return None
+                self._mark(seq_id, len(table))
+                table.extend(self._device.get_new_blocks(num_new))
+                self._num_tokens[seq_id] = num_total_tokens
+                if self.enable_prefix_caching and tokens is not None:
+                    self._cache_full_blocks(seq_id, tokens)
+                return []
         check_int("num_total_tokens", num_total_tokens, 0)
         check_salt(cache_salt)
         is_new = seq_id not in self._tables
