@@ -43,7 +43,7 @@ def _define_flags():
 
     from paged_jax.config.engine_config import KV_ALLOCATORS, PREEMPTION_MODES
     flags.DEFINE_enum("workload", "alpaca", ["sharegpt", "alpaca"], "Length statistics of the trace (100,000 "
-                      "ShareGPT-like requests simulate in ~3 min on one core, paged).")
+                      "ShareGPT-like requests simulate in ~1 min on one core, paged).")
     flags.DEFINE_integer("num_requests", 100_000, "Requests in the trace.")
     flags.DEFINE_float("scale", 1.0, "Length scale of the trace (1.0: the data set's means).")
     flags.DEFINE_float("request_rate", None, "Poisson arrivals per second of virtual time; unset or inf: all at t = 0.")

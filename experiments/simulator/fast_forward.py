@@ -63,6 +63,7 @@ class FastForward:
         self.num_finishing_steps = 0  # of those, steps that finished requests
         self.num_lean_steps = 0  # steps run through the real schedule() without engine.step()
         self.num_runs = 0  # advance() calls that fast-forwarded at least one step
+        self.num_last_applied = 0  # steps the last advance() call applied (0: the caller must engine.step())
         self._plain_ids: set[int] = set()  # sequences _eligible found plain
         # why each advance() call stopped (experiments/profile_simulator.py reports it):
         # arrival; or the last LazyRun's end (idle: nothing running; swapped: a swap
@@ -151,6 +152,7 @@ class FastForward:
             core.pool_checker.check(core)
             core.stats_tracker.add_host_seconds(time.perf_counter() - start)
             self.num_runs += 1
+        self.num_last_applied = k
         self._ended(end)
         return self._finished
 

@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from experiments.simulator.fast_forward import FastForward
-from experiments.simulator.simulator import (SIMULATED_TOKEN_ID, RequestTimes, latency_figures, record_finished,
-                                            simulated_serving)
+from experiments.simulator.simulator import (SIMULATED_TOKEN_ID, RequestTimes, cyclic_gc_paused, latency_figures,
+                                            record_finished, simulated_serving)
 from paged_jax.core.sampling_params import SamplingParams
 
 
@@ -60,6 +60,10 @@ class FleetSimulator:
 
     def run(self, progress=None) -> dict:
         """Serve the trace; returns fleet figures (fleet_figures) plus wall and CPU seconds."""
+        with cyclic_gc_paused():
+            return self._run(progress)
+
+    def _run(self, progress) -> dict:
         trace, replicas = self.trace, self.replicas
         start, cpu_start = time.perf_counter(), time.process_time()
         next_index = 0
@@ -73,11 +77,15 @@ class FleetSimulator:
                 self._route(next_index)
                 next_index += 1
                 continue
+            ff = replica.fast_forward
+            if ff is not None:  # the replica's steps before the next arrival, if it can
+                finished = record_finished(ff.advance(arrival, progress), self.times)
+                replica.in_flight -= finished
+                if ff.num_last_applied:
+                    continue
             finished = record_finished(replica.engine.step(), self.times)
             if progress is not None and finished:
                 progress(finished)
-            if replica.fast_forward is not None:
-                finished += record_finished(replica.fast_forward.advance(arrival, progress), self.times)
             replica.in_flight -= finished
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**fleet_figures(self), "wall_seconds": wall, "cpu_seconds": cpu}

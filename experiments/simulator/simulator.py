@@ -120,12 +120,14 @@ class Simulator:
             if not engine.has_unfinished_requests():  # idle until the next arrival
                 clock.now = trace[next_index].arrival_time
                 continue
+            if self.fast_forward is not None:  # the steps before the next arrival, if it can
+                next_arrival = trace[next_index].arrival_time if next_index < len(trace) else math.inf
+                record_finished(self.fast_forward.advance(next_arrival, progress), self.times)
+                if self.fast_forward.num_last_applied:
+                    continue
             finished = record_finished(engine.step(), self.times)
             if progress is not None and finished:
                 progress(finished)
-            if self.fast_forward is not None:
-                next_arrival = trace[next_index].arrival_time if next_index < len(trace) else math.inf
-                record_finished(self.fast_forward.advance(next_arrival, progress), self.times)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         return {**engine.stats(), **latency_figures(list(self.times.values())), "wall_seconds": wall,
                 "cpu_seconds": cpu}

@@ -184,7 +184,7 @@ class ContiguousAllocator:
     num_evictions = 0
 
     def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = (), *,
-                           cache_salt: str | None = None) -> list:
+                           cache_salt: str | None = None, memo: list | None = None) -> list:
         return []  # no prefix caching, so nothing a salt could separate
 
     def reset_prefix_cache(self) -> int:

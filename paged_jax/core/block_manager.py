@@ -160,17 +160,19 @@ class BlockManager(SwappingMixin):
     # ------------------------------------------------------------------ prefix cache
 
     def find_cached_prefix(self, tokens, num_tokens: int, extra_keys: tuple = (), *,
-                           cache_salt: str | None = None) -> list[KVCacheBlock]:
+                           cache_salt: str | None = None, memo: list | None = None) -> list[KVCacheBlock]:
         """The longest run of cached blocks equal to the sequence's leading full blocks.
 
         `tokens(start, end)` returns the sequence's token ids; only tokens before the last
         one are looked up, so at least one token is left to compute (its logits are
         needed). `extra_keys` and `cache_salt` must be what the sequence will be
-        allocated with. Returns [] when prefix caching is off.
+        allocated with; `memo`, a list the caller keeps per sequence, spares re-hashing its
+        blocks on later calls (prefix_cache.find_prefix). Returns [] when prefix caching
+        is off.
         """
         if not self.enable_prefix_caching:
             return []
-        return find_prefix(self._device, tokens, num_tokens, self.block_size, tuple(extra_keys), cache_salt)
+        return find_prefix(self._device, tokens, num_tokens, self.block_size, tuple(extra_keys), cache_salt, memo)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running sequences keep theirs); returns how many."""

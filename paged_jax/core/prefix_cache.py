@@ -110,19 +110,31 @@ def block_extra_keys(extra_keys: tuple, cache_salt: str | None, index: int) -> t
 
 
 def find_prefix(pool, tokens, num_tokens: int, block_size: int, extra_keys: tuple,
-                cache_salt: str | None) -> list:
+                cache_salt: str | None, memo: list | None = None) -> list:
     """The longest run of `pool`'s cached blocks equal to a sequence's leading full blocks
-    (all but its last token: that one's logits are needed), each verified in full."""
+    (all but its last token: that one's logits are needed), each verified in full.
+
+    `memo`: the sequence's own list of its leading blocks' keys, filled here as they are
+    computed and reused by later calls (a waiting sequence is looked up at every step
+    it waits at the head of the queue; its keys depend only on its tokens, extra keys and
+    salt, so hashing them once is enough, as vLLM keeps a request's block hashes)."""
     check_salt(cache_salt)
     hits, parent = [], None
     for i in range((num_tokens - 1) // block_size):
-        key = BlockKey.chain(parent, tokens(i * block_size, (i + 1) * block_size),
-                             block_extra_keys(extra_keys, cache_salt, i))
+        if memo is not None and i < len(memo):
+            key = memo[i]
+        else:
+            key = BlockKey.chain(parent, tokens(i * block_size, (i + 1) * block_size),
+                                 block_extra_keys(extra_keys, cache_salt, i))
+            if memo is not None:
+                memo.append(key)
         block = pool.lookup(key)
         if block is None:
             break
         hits.append(block)
         parent = block.block_key  # equal to `key`; sharing the object keeps later compares O(1)
+        if memo is not None:
+            memo[i] = parent
     return hits
 
 

@@ -252,7 +252,8 @@ class Scheduler(Preemption):
         `budget` tokens and the free blocks (watermark kept), else None."""
         bm = self.block_manager
         hits = ([] if seq.skip_reading_prefix_cache
-                else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt))
+                else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt,
+                                          memo=seq.prefix_keys))
         num_cached = len(hits) * bm.block_size
         missing = seq.num_tokens_to_compute - num_cached
         num_new = self._fit_budget(missing, budget)

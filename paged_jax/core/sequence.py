@@ -57,6 +57,9 @@ class Sequence:
     # request's other beams (the host picks the next beams once every beam has them).
     beam_candidates: list[tuple[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    # Prefix caching: the keys of its leading full blocks as far as the last lookup went
+    # (BlockManager.find_cached_prefix's memo: a sequence's keys never change).
+    prefix_keys: list = dataclasses.field(default_factory=list, repr=False)
     # Prefix caching: requests with different salts never share cached blocks (vLLM's
     # cache_salt; part of every block key of this sequence's prompt).
     cache_salt: str | None = None

@@ -134,6 +134,35 @@ def _sum_hash(parent_digest, token_ids, extra_keys):
     return sum(token_ids).to_bytes(8, "little")
 
 
+def test_a_lookup_memo_hashes_each_block_once_and_finds_what_a_fresh_lookup_finds(monkeypatch):
+    """A sequence waiting at the head of the queue is looked up every step: with its memo
+    (Sequence.prefix_keys) its blocks are hashed once, and every lookup, after the cache
+    changed too (a registration, an eviction), finds what a lookup without it finds."""
+    bm = _bm()
+    cached = [5, 6, 7, 8, 9, 10]
+    bm.allocate_slots(0, 6, tokens=_tokens(cached))  # 3 full blocks registered
+    calls = []
+    real = prefix_cache.hash_block
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda *a: calls.append(a) or real(*a))
+    waiting, memo = [5, 6, 7, 8, 1, 2, 3], []  # 3 full blocks to look up: 2 hit, the third misses
+
+    def lookups():
+        with_memo = bm.find_cached_prefix(_tokens(waiting), len(waiting), memo=memo)
+        assert with_memo == bm.find_cached_prefix(_tokens(waiting), len(waiting))
+        return [b.block_id for b in with_memo]
+
+    assert lookups() == bm.block_table(0)[:2]
+    calls.clear()
+    for _ in range(3):
+        assert len(bm.find_cached_prefix(_tokens(waiting), len(waiting), memo=memo)) == 2
+    assert calls == [], "the memo's keys are reused"
+    bm.allocate_slots(1, 6, tokens=_tokens([5, 6, 7, 8, 1, 2]))  # registers the missing third block
+    assert lookups() == bm.block_table(0)[:2] + bm.block_table(1)[2:3]
+    bm.free(0), bm.free(1)
+    bm.allocate_slots(2, 12, tokens=_tokens(list(range(20, 32))))  # takes all 6 blocks: evicts every cached one
+    assert lookups() == []
+
+
 def test_colliding_digest_never_serves_kv_of_another_prefix(monkeypatch):
     monkeypatch.setattr(prefix_cache, "hash_block", _sum_hash)
     bm = _bm()
