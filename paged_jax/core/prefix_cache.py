@@ -41,17 +41,25 @@ def _encode(value) -> bytes:
                      f"got {type(value).__name__}")
 
 
+_NO_EXTRA_KEYS = _encode(())
+_PACKERS: dict[int, struct.Struct] = {}  # token count -> its Struct ("<I{n}q"), compiled once
+
+
 def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:
     """sha256 of (parent digest, token ids, extra keys): a block's prefix-cache digest.
 
     Token ids are little-endian int64 behind their count and the parent digest has a
-    fixed length, so the byte string is unambiguous. Module level, and looked up at each
-    call, so tests can swap in a deliberately colliding function.
+    fixed length, so the byte string is unambiguous. One sha256 call over the whole
+    string (each prompt block of each admitted request is hashed: it is the prefix
+    cache's main host cost). Module level, and looked up at each call, so tests can swap
+    in a deliberately colliding function.
     """
-    h = hashlib.sha256(b"P" + parent_digest if parent_digest is not None else b"R")
-    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    h.update(_encode(tuple(extra_keys)))
-    return h.digest()
+    n = len(token_ids)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"<I{n}q")
+    return hashlib.sha256((b"P" + parent_digest if parent_digest is not None else b"R") + packer.pack(n, *token_ids)
+                          + (_encode(tuple(extra_keys)) if extra_keys else _NO_EXTRA_KEYS)).digest()
 
 
 @dataclass(frozen=True, eq=False, slots=True)
