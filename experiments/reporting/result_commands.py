@@ -148,7 +148,7 @@ def _spell(name: str, value) -> str | None:
         return None
     if isinstance(value, bool):
         return f"--{name}" if value else f"--no{name}"
-    return f"--{name}={_norm(value)}"
+    return shlex.quote(f"--{name}={_norm(value)}")
 
 
 def reproducing_command(record: dict) -> Command:
@@ -180,7 +180,7 @@ def reproducing_command(record: dict) -> Command:
     flags = record.get("flags") or {}
     for name, value in args.items():
         if name not in flags and name.removeprefix("no") not in flags:
-            parts.append(f"--{name}={value}" if value != "true" else f"--{name}")
+            parts.append(shlex.quote(f"--{name}={value}") if value != "true" else f"--{name}")
     for name in flags:
         if name in missing or name in args or f"no{name}" in args:
             spelled = _spell(name, flags[name])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import platform
 import re
 import sys
@@ -67,7 +68,8 @@ def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = No
     module = script[:-3] if script.endswith(".py") else name.split(".")[0]
     record = {
         "name": name,
-        "command": " ".join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
+        # shell-quoted: a flag value with spaces (--replica_flags="...") stays one argument
+        "command": shlex.join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flags": portable(flags),
         "seed": seed,

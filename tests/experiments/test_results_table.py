@@ -167,6 +167,19 @@ def test_a_flag_missing_from_the_command_and_off_default_is_added():
     assert not result_commands.reproducing_command(record).rebuilt
 
 
+def test_a_flag_value_with_spaces_stays_one_argument():
+    """--replica_flags="--a=1 --b=2" is one flag: a command that splits it into more
+    reproduces something else, so it is rebuilt, and the rebuilt one quotes the value."""
+    record = copy.deepcopy(_load("fleet_prefix_routing_long.json"))
+    value = record["flags"]["replica_flags"]
+    assert " " in value
+    assert not result_commands.reproducing_command(record).rebuilt  # recorded shell-quoted
+    record["command"] = record["command"].replace(f'"--replica_flags={value}"', f"--replica_flags={value}")
+    command = result_commands.reproducing_command(record)
+    assert command.rebuilt
+    assert result_commands.parse_args(command.text)["replica_flags"] == value
+
+
 def test_flag_defaults_are_read_from_the_scripts():
     defaults = result_commands.flag_defaults("sharing_savings")
     assert defaults["kv_cache_memory_bytes"] == 512 * 2**20 and defaults["widths"] == ["2", "4", "6"]
