@@ -71,7 +71,7 @@ class LazyRun:
         self._shapes: dict = {}  # (rows, tokens) -> batch_shape
         for seq in self.sched.running:
             row = self._add(seq, self.bm.num_tokens(seq.seq_id))
-            if seq.num_computed_tokens == seq.num_tokens - 1 and seq.first_token_time is not None:
+            if ff._decoding(seq):
                 self.tail = None
                 self._decode(row, 0)
 
