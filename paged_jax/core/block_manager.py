@@ -249,7 +249,9 @@ class BlockManager(SwappingMixin):
                 num_new = -(-num_total_tokens // self.block_size) - len(table)
                 if num_new > self.num_free_blocks:
                     return None
-                self._mark(seq_id, len(table))
+                changed = self._changed.get(seq_id)  # _mark, inline: this runs at every block a decode adds
+                if changed is None or changed > len(table):
+                    self._changed[seq_id] = len(table)
                 table.extend(self._device.get_new_blocks(num_new))
                 self._num_tokens[seq_id] = num_total_tokens
                 if self.enable_prefix_caching and tokens is not None:

@@ -43,10 +43,16 @@ def test_pool_without_null_block_uses_every_block():
 
 def test_pool_free_errors_change_nothing():
     pool = BlockPool(5)
-    (a,) = pool.get_new_blocks(1)
+    a, b = pool.get_new_blocks(2)
     with pytest.raises(ValueError, match="more times than its ref_count"):
-        pool.free_blocks([a, a])  # ref_count 1, two drops
-    assert a.ref_count == 1 and pool.num_free_blocks == 3
+        pool.free_blocks([b, a, a])  # a: ref_count 1, two drops; b's drop is undone too
+    assert a.ref_count == 1 and b.ref_count == 1 and pool.num_free_blocks == 2
+    with pytest.raises(ValueError, match="does not belong"):
+        pool.free_blocks([b, KVCacheBlock(block_id=3, ref_count=1)])
+    assert b.ref_count == 1 and pool.num_free_blocks == 2
+    pool.free_blocks([a, b])
+    assert [blk.block_id for blk in pool.free_queue][-2:] == [a.block_id, b.block_id]  # freed in list order
+    (a,) = pool.get_new_blocks(1)
     pool.free_blocks([a])
     with pytest.raises(ValueError, match="more times than its ref_count"):
         pool.free_blocks([a])  # already free
