@@ -25,9 +25,8 @@ import time
 import numpy as np
 
 from experiments.simulator.fast_forward import FastForward
-from experiments.simulator.simulator import (SIMULATED_TOKEN_ID, RequestTimes, cyclic_gc_paused, latency_figures,
-                                            record_finished, simulated_serving)
-from paged_jax.core.sampling_params import SamplingParams
+from experiments.simulator.simulator import (SIMULATED_TOKEN_ID, RequestTimes, cyclic_gc_paused, greedy_params,
+                                            latency_figures, record_finished, simulated_serving)
 
 
 @dataclasses.dataclass
@@ -97,8 +96,7 @@ class FleetSimulator:
         if not replica.engine.has_unfinished_requests():  # idle: it starts when the request arrives
             replica.clock.now = max(replica.clock.now, request.arrival_time)
         replica.engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids},
-                                   SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
-                                   arrival_time=request.arrival_time)
+                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time)
         replica.in_flight += 1
         replica.num_routed += 1
         self.assignment.append(choice)

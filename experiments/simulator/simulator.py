@@ -114,8 +114,7 @@ class Simulator:
             while next_index < len(trace) and trace[next_index].arrival_time <= clock.now:
                 request = trace[next_index]
                 engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
-                                   SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
-                                   arrival_time=request.arrival_time)
+                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time)
                 next_index += 1
             if not engine.has_unfinished_requests():  # idle until the next arrival
                 clock.now = trace[next_index].arrival_time
@@ -149,6 +148,13 @@ def cyclic_gc_paused():
         if enabled:
             gc.enable()
         gc.collect()
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_params(max_tokens: int) -> SamplingParams:
+    """A simulated request's sampling parameters (greedy, EOS ignored): one frozen object
+    per output length, shared by its requests, instead of one validated per request."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
 
 def record_finished(outputs, times: dict) -> int:

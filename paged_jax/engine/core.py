@@ -34,7 +34,7 @@ from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
 from paged_jax.engine.kv_transfer import PromptKV, export_prompt_kv, import_prompt_kv
 from paged_jax.engine.pool_check import PoolChecker
-from paged_jax.engine.processor import validate_prompt_token_ids
+from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_prompt_token_ids
 from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
@@ -109,13 +109,16 @@ class EngineCore:
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
         self._rng = np.random.default_rng(config.seed)
+        self._prompt_limits = (self.config.max_model_len, model_config.vocab_size)  # validate_prompt_token_ids
 
     # ---- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt,
                     params: SamplingParams | BeamSearchParams | None = None, *, arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a request; raises ValueError (and queues nothing) on bad input. `priority`:
-        lower is served earlier and preempted later (scheduling_policy="priority" only)."""
+        lower is served earlier and preempted later (scheduling_policy="priority" only).
+        The prompt's ids are converted and checked here, unless they come as a
+        ProcessedPrompt that a Processor checked against this engine's limits."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an int, got {priority!r}")
@@ -129,8 +132,12 @@ class EngineCore:
         if self.config.kv_allocator != "paged" and (isinstance(params, BeamSearchParams) or params.n > 1):
             raise ValueError(f"kv_allocator={self.config.kv_allocator!r} is a baseline without block sharing: "
                              "it serves n=1 sampling only (no n > 1, no beam search)")
-        token_ids = list(map(int, prompt_token_ids))
-        validate_prompt_token_ids(token_ids, self.config.max_model_len, self.model_config.vocab_size)
+        processed = prompt_token_ids if isinstance(prompt_token_ids, ProcessedPrompt) else None
+        if processed is not None and processed.checked == self._prompt_limits:
+            token_ids = processed.token_ids  # the front end's Processor converted and checked them
+        else:  # plain ids, or checked against another engine's limits
+            token_ids = int_list(prompt_token_ids if processed is None else processed.token_ids)
+            validate_prompt_token_ids(token_ids, *self._prompt_limits)
         now = self._clock() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
             request = self._beam_request(request_id, token_ids, params, now, cache_salt)

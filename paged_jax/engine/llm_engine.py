@@ -112,7 +112,7 @@ class LLMEngine:
         ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
         processed = self.processor.process(prompt)
-        self.core.add_request(request_id, processed.token_ids, params, arrival_time=arrival_time,
+        self.core.add_request(request_id, processed, params, arrival_time=arrival_time,
                               cache_salt=processed.cache_salt, priority=priority)
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params)
 

@@ -11,6 +11,7 @@ directly.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from typing import Sequence as Seq
 
 import numpy as np
@@ -21,6 +22,20 @@ class ProcessedPrompt:
     text: str | None  # the prompt text, when it was given as text
     token_ids: list[int]
     cache_salt: str | None = None
+    # (max_model_len, vocab_size) that token_ids were checked against: an engine core given
+    # this prompt with its own limits skips converting and checking it again
+    checked: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
+
+
+def int_list(token_ids) -> list[int]:
+    """`token_ids` as a new list of Python ints, `int()` of each. A list or tuple of ints
+    converts in one C pass (array "q"): every request's prompt passes here."""
+    if isinstance(token_ids, (list, tuple)):
+        try:
+            return array("q", token_ids).tolist()
+        except (TypeError, OverflowError):  # floats, ints past int64, ...: int() of each below
+            pass
+    return list(map(int, token_ids))
 
 
 def validate_prompt_token_ids(token_ids: Seq[int], max_model_len: int, vocab_size: int) -> None:
@@ -49,7 +64,7 @@ class Processor:
             prompt, cache_salt = self._unpack(prompt)
         text, token_ids = self._tokenize(prompt)
         validate_prompt_token_ids(token_ids, self.max_model_len, self.vocab_size)
-        return ProcessedPrompt(text, token_ids, cache_salt)
+        return ProcessedPrompt(text, token_ids, cache_salt, (self.max_model_len, self.vocab_size))
 
     @staticmethod
     def _unpack(prompt: dict):
@@ -79,13 +94,18 @@ class Processor:
             except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
                 raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and prompt:
+            try:  # one C pass for the common case, plain ints (non-ints and ints past int64 raise)
+                return None, array("q", prompt).tolist()
+            except (TypeError, OverflowError):
+                pass  # refused or converted below
         if isinstance(prompt, (list, tuple, np.ndarray)):
             try:
-                array = np.asarray(prompt) if len(prompt) else None
+                ids = np.asarray(prompt) if len(prompt) else None
             except (ValueError, TypeError):  # ragged nesting: refused below with this module's message
-                array = None
-            if array is not None and array.ndim == 1 and array.dtype.kind in "iu":  # one C pass: the common case
-                return None, array.tolist()
+                ids = None
+            if ids is not None and ids.ndim == 1 and ids.dtype.kind in "iu":  # one C pass: the common case
+                return None, ids.tolist()
             if all(isinstance(t, (int, np.integer)) for t in prompt):  # empty, bools, ints past int64
                 return None, [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}")

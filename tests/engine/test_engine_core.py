@@ -166,3 +166,24 @@ def test_cache_salt_reaches_the_sequences_and_num_cached_tokens_comes_back(engin
     assert outs["text"].prompt == "hello there" and outs["text"].prompt_token_ids == _Letters().encode("hello there")
     for rid, seq in seqs.items():
         assert outs[rid].num_cached_tokens == seq.num_cached_tokens
+
+
+def test_a_prompt_checked_against_other_limits_is_checked_again(core):
+    """The core takes a ProcessedPrompt's ids as checked only if its Processor checked them
+    against this engine's max_model_len and vocabulary."""
+    from paged_jax.engine.processor import Processor
+
+    limit, vocab = core.config.max_model_len, core.model_config.vocab_size
+    too_long = [1] * limit
+    lax = Processor(None, limit + 10, vocab).process(too_long)  # passes a laxer Processor's check
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.add_request("lax", lax, SamplingParams(max_tokens=1))
+    outside = Processor(None, limit, vocab + 5).process([vocab + 1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add_request("outside", outside, SamplingParams(max_tokens=1))
+    assert not core.has_unfinished_requests()
+    ok = Processor(None, limit, vocab).process([1, 2, 3])
+    assert ok.checked == (limit, vocab)
+    core.add_request("ok", ok, SamplingParams(max_tokens=1))
+    assert core.has_request("ok")
+    core.abort_request("ok")

@@ -298,7 +298,7 @@ class EngineLoop:
             for r, prompt in requests:
                 if r.kv_import is not None:  # right before its request: the blocks stay cached until admitted
                     self.core.import_prompt_kv(r.kv_import)
-                self.core.add_request(r.request_id, prompt.token_ids, r.params, cache_salt=prompt.cache_salt,
+                self.core.add_request(r.request_id, prompt, r.params, cache_salt=prompt.cache_salt,
                                       priority=r.priority)
                 done.append(r.request_id)
                 if r.kv_export:
