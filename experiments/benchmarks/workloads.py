@@ -38,6 +38,7 @@ class Request:
     arrival_time: float  # seconds after the start; 0 for offline runs
     n: int = 1  # parallel samples ("sampling")
     beam_width: int = 0  # 0: no beam search ("beam")
+    priority: int = 0  # lower is served first (engines with scheduling_policy="priority")
 
 
 def _lognormal(rng, mean: float, size: int, sigma: float) -> np.ndarray:

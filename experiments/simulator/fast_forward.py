@@ -71,6 +71,7 @@ class FastForward:
         # inserted: an admission before the tail) or not_eligible, where neither the
         # fast-forward nor _lean_step could apply the next step
         self.run_ends: dict[str, int] = {}
+        self.runs_resumed: dict[str, int] = {}  # why a LazyRun ended inside advance(), which went on
 
     def _eligible(self, running) -> bool:
         """The engine-wide preconditions (module docstring) and the simulator's plain
@@ -141,8 +142,9 @@ class FastForward:
                     if self._clock.now >= next_arrival:
                         end = "arrival"
                         break
-                    if run.step:
-                        continue  # a swapped group, a non-plain waiting head or a priority insertion: look again
+                    if run.step:  # a swapped group, a non-plain waiting head or a priority insertion: look again
+                        self.runs_resumed[end] = self.runs_resumed.get(end, 0) + 1
+                        continue
             if end == "arrival" or not self._lean_step():
                 break
             k += 1

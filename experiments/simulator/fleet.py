@@ -96,7 +96,8 @@ class FleetSimulator:
         if not replica.engine.has_unfinished_requests():  # idle: it starts when the request arrives
             replica.clock.now = max(replica.clock.now, request.arrival_time)
         replica.engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids},
-                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time)
+                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time,
+                                   priority=request.priority)
         replica.in_flight += 1
         replica.num_routed += 1
         self.assignment.append(choice)

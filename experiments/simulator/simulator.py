@@ -114,7 +114,8 @@ class Simulator:
             while next_index < len(trace) and trace[next_index].arrival_time <= clock.now:
                 request = trace[next_index]
                 engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
-                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time)
+                                   greedy_params(request.max_tokens), arrival_time=request.arrival_time,
+                                   priority=request.priority)
                 next_index += 1
             if not engine.has_unfinished_requests():  # idle until the next arrival
                 clock.now = trace[next_index].arrival_time

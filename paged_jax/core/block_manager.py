@@ -114,11 +114,13 @@ class BlockManager(SwappingMixin):
         """`(k, ids)`: the table is its first k entries at this sequence's last call, then
         `ids` (k = 0 at the first call and after a swap rebuilt it). A runner keeping
         tables between steps needs only this: mostly `(len(table), ())`, O(1)."""
-        table = self._require(seq_id)
+        table = self._tables.get(seq_id)
+        if table is None:
+            self._require(seq_id)  # its KeyError
         k = self._changed.pop(seq_id, None)
         if k is None:  # unchanged since the last call: most decode steps
             return len(table), ()
-        return k, tuple(b.block_id for b in table[k:])
+        return k, tuple([b.block_id for b in table[k:]])
 
     def _mark(self, seq_id: int, index: int) -> None:
         self._changed[seq_id] = min(self._changed.get(seq_id, index), index)
