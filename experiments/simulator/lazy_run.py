@@ -194,8 +194,12 @@ class LazyRun:
                     raise AssertionError("a decoding row's allocation copied a block")
                 if c % bs == 0:
                     grown.append(row)
-            for row in grown:
-                self._grown(row, row.slots + bs)
+            for row in grown:  # _grown(row, row.slots + bs), inline: a decoding row adds a block every bs steps
+                s, f = row.slots, row.final
+                self.S += bs
+                self.R += min(f, s + bs) - min(f, s)
+                self.I += max(s + bs - f, 0) - max(s - f, 0)
+                row.slots = s + bs
                 bm.table_update(row.seq.seq_id)  # the runner's table update, as _add_chunk takes it
         num_rows = num_tokens = self.num_decoding
         self.H += num_tokens
@@ -238,7 +242,7 @@ class LazyRun:
         sampled = self.num_decoding + sum(row.seq.num_computed_tokens + n == row.seq.num_tokens for row, n in chunks)
         self.stats.record_step_figures(
             num_rows, num_tokens, sampled, slots=slots, held=slots - (self.S - self.H),
-            waste={"internal": self.I, "reservation": self.R - self.H, "external": 0},
+            internal=self.I, reservation=self.R - self.H,
             blocks_without_sharing=self.S // bs)
         num_seqs, shaped_tokens = num_rows, num_tokens
         if ff._buckets:

@@ -144,7 +144,8 @@ class BlockManager(SwappingMixin):
         """Token slots in device blocks held by some sequence (each block once): O(1), as
         every usable block is free xor held. num_tokens_held() / num_slots_allocated() is
         the KV-cache utilization metric (waste: < block_size slots per last block)."""
-        return (self.num_usable_blocks - self.num_free_blocks) * self.block_size
+        device = self._device
+        return (device.num_usable_blocks - device.num_free_blocks) * self.block_size
 
     def num_blocks_without_sharing(self) -> int:
         """Device blocks the device-resident tables would need if nothing were shared."""
@@ -249,7 +250,7 @@ class BlockManager(SwappingMixin):
             # at the end, the general path's effect without its validation of a new call
             if current <= num_total_tokens and (current % self.block_size == 0 or table[-1].ref_count == 1):
                 num_new = -(-num_total_tokens // self.block_size) - len(table)
-                if num_new > self.num_free_blocks:
+                if num_new > self._device.num_free_blocks:
                     return None
                 changed = self._changed.get(seq_id)  # _mark, inline: this runs at every block a decode adds
                 if changed is None or changed > len(table):

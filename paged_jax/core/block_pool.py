@@ -134,6 +134,20 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self._len += 1
 
+    def extend(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the tail in their order: append for each, in one call."""
+        for block in blocks:
+            if block.prev_free is not None or block.next_free is not None:
+                raise ValueError(f"block {block.block_id} is already in a free queue")
+        last = self._tail.prev_free
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self._len += len(blocks)
+
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block` from wherever it sits in the queue, in O(1)."""
         prev, nxt = block.prev_free, block.next_free
@@ -309,22 +323,19 @@ class BlockPool:
         """
         # One pass that drops the references and undoes them on the first bad block (a
         # block listed twice meets its own first drop), then the queue appends.
-        owned, null, dropped, zeros = self.blocks, self.null_block, [], []
+        owned, null, num_owned, dropped, zeros = self.blocks, self.null_block, self.num_blocks, [], []
         for block in blocks:
-            block_id = block.block_id
-            if block is null or not 0 <= block_id < len(owned) or owned[block_id] is not block \
-                    or block.ref_count == 0:
+            refs, block_id = block.ref_count, block.block_id
+            if not refs or block is null or not 0 <= block_id < num_owned or owned[block_id] is not block:
                 for undo in dropped:
                     undo.ref_count += 1
                 self._check_owned(block)  # its message, if it is not this pool's
                 raise ValueError(f"freeing block {block_id} more times than its ref_count {block.ref_count}")
-            block.ref_count -= 1
+            block.ref_count = refs - 1
             dropped.append(block)
-            if block.ref_count == 0:
+            if refs == 1:
                 zeros.append(block)
-        append = self.free_queue.append
-        for block in zeros:
-            append(block)
+        self.free_queue.extend(zeros)
 
     def _check_owned(self, block: KVCacheBlock) -> None:
         if block is self.null_block:

@@ -93,13 +93,33 @@ class EngineStats:
         self.step_log.append((num_seqs, num_tokens, step_seconds - device_seconds, device_seconds))
 
     def record_step_figures(self, num_seqs: int, num_tokens: int, num_sampled: int, *, slots: int, held: int,
-                            waste: dict, blocks_without_sharing: int) -> None:
-        """What record_schedule + record_step add for a step that ran without a
-        SchedulerOutput (the simulator's fast-forward): its KV figures after allocation as
-        the caller tracked them, and its shape; its host seconds come by add_host_seconds,
-        no device."""
-        self._add_schedule(slots, held, waste, blocks_without_sharing)
-        self._add_step(num_seqs, num_tokens, num_sampled, 0.0, 0.0)
+                            internal: int, reservation: int, blocks_without_sharing: int) -> None:
+        """What record_schedule + record_step add for a paged step that ran without a
+        SchedulerOutput (the simulator's fast-forward, 1.4 million steps for 100k
+        requests): its KV figures after allocation as the caller tracked them (kv_waste's
+        internal and reservation slots; a paged cache has no external waste), and its
+        shape; its host seconds come by add_host_seconds, no device. _add_schedule and
+        _add_step inline, without their dict and calls."""
+        if slots:
+            self._utilization_sum += held / slots
+            self._utilization_steps += 1
+            sums = self._waste_sums
+            sums["internal"] += internal
+            sums["reservation"] += reservation
+        self._blocks_without_sharing_sum += blocks_without_sharing
+        self._blocks_used_sum += slots // self._bm.block_size
+        scheduler = self._scheduler
+        waiting = self._waiting_at_schedule = bool(scheduler.waiting or scheduler.swapped)
+        self.num_steps += 1
+        self.num_batched_tokens += num_tokens
+        self.num_batched_seqs += num_seqs
+        if num_seqs > self.max_batched_seqs:
+            self.max_batched_seqs = num_seqs
+        if waiting:
+            self.num_saturated_steps += 1
+            self.saturated_batched_seqs += num_seqs
+            self.saturated_sampled_tokens += num_sampled
+        self.step_log.append((num_seqs, num_tokens, 0.0, 0.0))
 
     def add_host_seconds(self, seconds: float) -> None:
         """Host work of the last recorded step done after it returned (the front end
