@@ -46,6 +46,10 @@ _REPLICA_FLAGS = flags.DEFINE_string("replica_flags", "--max_num_seqs=16 --max_n
                                      "serve_local flags of every replica.")
 _ROUTER_FLAGS = flags.DEFINE_string("router_flags", "", "Extra vllm-router flags, e.g. '--balance-abs-threshold 2 "
                                                      "--balance-rel-threshold 1.5' (cache_aware's load balance).")
+_RUNS = flags.DEFINE_multi_string(
+    "run", [], "One fleet run per value, 'POLICY [vllm-router flags]', e.g. --run=round_robin "
+    "'--run=cache_aware --balance-abs-threshold 2': the same policy under several router settings in one "
+    "comparison. Given, it replaces --policies and --router_flags.")
 _PORT = flags.DEFINE_integer("port", 18600, "Router port; replicas on port + 1 ...")
 _SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
 _OUTPUT = flags.DEFINE_string("output", "fleet_prefix_routing", "Result name: experiments/results/<output>.json.")
@@ -90,11 +94,11 @@ async def replay(url: str, trace: list[dict], max_tokens: int) -> list[dict]:
         return await asyncio.gather(*(at(item) for item in trace))
 
 
-def run_policy(policy: str, trace: list[dict]) -> dict:
+def run_policy(policy: str, trace: list[dict], router_flags: str) -> dict:
     import shlex
     fleet = make_fleet(_NUM_REPLICAS.value, policy=policy, port=_PORT.value, base_port=_PORT.value + 1,
                        replica_args=shlex.split(_REPLICA_FLAGS.value), log_dir=f"/tmp/paged_jax-fleet-{policy}",
-                       router_args=shlex.split(_ROUTER_FLAGS.value))
+                       router_args=shlex.split(router_flags))
     with fleet:
         for url in fleet.urls:  # one throwaway request per replica: first-request costs out of the timings
             httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 2},
@@ -109,7 +113,7 @@ def run_policy(policy: str, trace: list[dict]) -> dict:
     counts = [int(d["success"]) for d in delta]
     query, hit = sum(d["query"] for d in delta), sum(d["hit"] for d in delta)
     mean = float(np.mean(counts))
-    return {"policy": policy, "num_ok": len(ok), "errors": [r["error"] for r in results if "error" in r],
+    return {"policy": policy, "router_flags": router_flags, "num_ok": len(ok), "errors": [r["error"] for r in results if "error" in r],
             "prefix_cache_hit_rate": hit / query if query else 0.0, "prefix_cache_query_tokens": query,
             "ttft_s_p50": float(np.percentile([r["ttft_s"] for r in ok], 50)),
             "ttft_s_p90": float(np.percentile([r["ttft_s"] for r in ok], 90)),
@@ -122,15 +126,18 @@ def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
     trace = make_trace(_NUM_REQUESTS.value, _NUM_PREFIXES.value, _PREFIX_WORDS.value, _RATE.value, _SEED.value)
+    plan = ([tuple(value.strip().partition(" ")[::2]) for value in _RUNS.value] if _RUNS.value
+            else [(policy, _ROUTER_FLAGS.value) for policy in _POLICIES.value])
     runs = []
-    for policy in _POLICIES.value:
-        print(f"{policy}: starting {_NUM_REPLICAS.value} replicas ...", flush=True)
-        runs.append(run_policy(policy, trace))
+    for policy, router_flags in plan:
+        label = f"{policy} {router_flags}".strip()
+        print(f"{label}: starting {_NUM_REPLICAS.value} replicas ...", flush=True)
+        runs.append(run_policy(policy, trace, router_flags.strip()))
         r = runs[-1]
-        print(f"{policy}: hit rate {r['prefix_cache_hit_rate']:.3f}, TTFT p50 {r['ttft_s_p50']:.2f} s / p90 "
+        print(f"{label}: hit rate {r['prefix_cache_hit_rate']:.3f}, TTFT p50 {r['ttft_s_p50']:.2f} s / p90 "
               f"{r['ttft_s_p90']:.2f} s, per replica {r['requests_per_replica']}, errors {len(r['errors'])}", flush=True)
     flag_values = {f.name: f.value for f in (_NUM_REPLICAS, _POLICIES, _NUM_REQUESTS, _NUM_PREFIXES, _PREFIX_WORDS,
-                                            _RATE, _MAX_TOKENS, _REPLICA_FLAGS, _ROUTER_FLAGS, _PORT, _SEED, _OUTPUT)}
+                                            _RATE, _MAX_TOKENS, _REPLICA_FLAGS, _ROUTER_FLAGS, _RUNS, _PORT, _SEED, _OUTPUT)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures={"runs": runs, "router": "vllm-router 0.1.17"},
                                 seed=_SEED.value))
 

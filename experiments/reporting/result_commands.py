@@ -112,7 +112,8 @@ def _same(a, b) -> bool:
 
 
 def parse_args(command: str) -> dict:
-    """`--name=value`, `--name value`, `--name`, `--noname` after `-m experiments.X`."""
+    """`--name=value`, `--name value`, `--name`, `--noname` after `-m experiments.X`; a
+    flag given more than once (absl's multi-string flags) maps to the list of its values."""
     tokens = shlex.split(command)
     start = next((i + 2 for i, t in enumerate(tokens) if t == "-m"), len(tokens))
     args, i = {}, start
@@ -124,7 +125,11 @@ def parse_args(command: str) -> dict:
                 value, i = tokens[i + 1], i + 1
             elif not eq:
                 value = "true"
-            args[name] = value
+            if name in args:
+                previous = args[name]
+                args[name] = [*previous, value] if isinstance(previous, list) else [previous, value]
+            else:
+                args[name] = value
         i += 1
     return args
 

@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -178,6 +179,21 @@ def test_a_flag_value_with_spaces_stays_one_argument():
     command = result_commands.reproducing_command(record)
     assert command.rebuilt
     assert result_commands.parse_args(command.text)["replica_flags"] == value
+
+
+def test_a_repeated_flag_is_the_list_of_its_values():
+    """absl multi-string flags (fleet_prefix_routing's --run) are given once per value: the
+    command reproduces a record holding the list, and one that drops a value does not."""
+    record = copy.deepcopy(_load("fleet_prefix_routing_long.json"))
+    runs = ["round_robin", "cache_aware --balance-abs-threshold 2"]
+    record["flags"]["run"] = runs
+    record["command"] = shlex.join(["python", "-m", "experiments.fleet_prefix_routing",
+                                    *(f"--{k}={v}" for k, v in result_commands.parse_args(record["command"]).items()),
+                                    *(f"--run={r}" for r in runs)])
+    assert result_commands.parse_args(record["command"])["run"] == runs
+    assert not result_commands.reproducing_command(record).rebuilt
+    record["command"] = record["command"].replace(" --run=round_robin", "")
+    assert result_commands.reproducing_command(record).rebuilt
 
 
 def test_flag_defaults_are_read_from_the_scripts():
