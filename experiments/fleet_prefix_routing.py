@@ -94,10 +94,10 @@ async def replay(url: str, trace: list[dict], max_tokens: int) -> list[dict]:
         return await asyncio.gather(*(at(item) for item in trace))
 
 
-def run_policy(policy: str, trace: list[dict], router_flags: str) -> dict:
+def run_policy(policy: str, trace: list[dict], router_flags: str, log_dir: str) -> dict:
     import shlex
     fleet = make_fleet(_NUM_REPLICAS.value, policy=policy, port=_PORT.value, base_port=_PORT.value + 1,
-                       replica_args=shlex.split(_REPLICA_FLAGS.value), log_dir=f"/tmp/paged_jax-fleet-{policy}",
+                       replica_args=shlex.split(_REPLICA_FLAGS.value), log_dir=log_dir,
                        router_args=shlex.split(router_flags))
     with fleet:
         for url in fleet.urls:  # one throwaway request per replica: first-request costs out of the timings
@@ -113,7 +113,8 @@ def run_policy(policy: str, trace: list[dict], router_flags: str) -> dict:
     counts = [int(d["success"]) for d in delta]
     query, hit = sum(d["query"] for d in delta), sum(d["hit"] for d in delta)
     mean = float(np.mean(counts))
-    return {"policy": policy, "router_flags": router_flags, "num_ok": len(ok), "errors": [r["error"] for r in results if "error" in r],
+    return {"policy": policy, "router_flags": router_flags, "num_ok": len(ok),
+            "errors": [r["error"] for r in results if "error" in r],
             "prefix_cache_hit_rate": hit / query if query else 0.0, "prefix_cache_query_tokens": query,
             "ttft_s_p50": float(np.percentile([r["ttft_s"] for r in ok], 50)),
             "ttft_s_p90": float(np.percentile([r["ttft_s"] for r in ok], 90)),
@@ -126,13 +127,15 @@ def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
     trace = make_trace(_NUM_REQUESTS.value, _NUM_PREFIXES.value, _PREFIX_WORDS.value, _RATE.value, _SEED.value)
-    plan = ([tuple(value.strip().partition(" ")[::2]) for value in _RUNS.value] if _RUNS.value
-            else [(policy, _ROUTER_FLAGS.value) for policy in _POLICIES.value])
+    # (policy, router flags) per fleet run: each --run is 'POLICY [flags]'
+    plan = [value.strip().split(" ", 1) + [""] for value in _RUNS.value] or [
+        [policy, _ROUTER_FLAGS.value] for policy in _POLICIES.value]
     runs = []
-    for policy, router_flags in plan:
+    for i, (policy, router_flags, *_) in enumerate(plan):
+        router_flags = router_flags.strip()
         label = f"{policy} {router_flags}".strip()
         print(f"{label}: starting {_NUM_REPLICAS.value} replicas ...", flush=True)
-        runs.append(run_policy(policy, trace, router_flags.strip()))
+        runs.append(run_policy(policy, trace, router_flags, log_dir=f"/tmp/paged_jax-fleet-{i}-{policy}"))
         r = runs[-1]
         print(f"{label}: hit rate {r['prefix_cache_hit_rate']:.3f}, TTFT p50 {r['ttft_s_p50']:.2f} s / p90 "
               f"{r['ttft_s_p90']:.2f} s, per replica {r['requests_per_replica']}, errors {len(r['errors'])}", flush=True)

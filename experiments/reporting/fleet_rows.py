@@ -15,8 +15,7 @@ def simulate_fleet(record: dict) -> list:
     parts = []
     for r in fig["runs"]:
         counts = r["requests_per_replica"]
-        label = r["policy"] + (f" ({r['router_flags']})" if r.get("router_flags") else "")
-        parts.append(f"{label}: hit rate {100 * r['prefix_cache_hit_rate']:.1f}%, TTFT p50 "
+        parts.append(f"{r['policy']}: hit rate {100 * r['prefix_cache_hit_rate']:.1f}%, TTFT p50 "
                      f"{r['ttft_s_p50']:.2f} s / p90 {r['ttft_s_p90']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s, "
                      f"{min(counts)}-{max(counts)} requests per replica, {r['wall_seconds']:.0f} s wall")
     return [((f"simulated fleet (engine bookkeeping, modelled step times), {flags.get('num_replicas')} replicas of "
