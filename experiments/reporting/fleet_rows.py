@@ -29,12 +29,14 @@ def fleet_prefix_routing(record: dict) -> list:
     parts = []
     for r in fig["runs"]:
         counts = r["requests_per_replica"]
-        label = r["policy"] + (f" ({r['router_flags']})" if r.get("router_flags") else "")
+        router = f"{r['router']} " if r.get("router") and r["router"] != fig.get("router") else ""  # several routers
+        label = router + r["policy"] + (f" ({r['router_flags']})" if r.get("router_flags") else "")
         parts.append(f"{label}: hit rate {100 * r['prefix_cache_hit_rate']:.1f}%, TTFT p50 {r['ttft_s_p50']:.2f} s"
                      f" / p90 {r['ttft_s_p90']:.2f} s, requests per replica {'/'.join(map(str, counts))} (max "
                      f"deviation {100 * r['max_load_deviation']:.0f}%), {len(r['errors'])} errors")
+    behind = str(fig.get("router")).replace(", ", " or ")  # "sglang-router 0.2.3, vllm-router 0.1.17": per run
     return [((f"real fleet: {flags.get('num_replicas')} serve_local replicas (SmolLM2-135M-Instruct, sharing 2 cores) "
-              f"behind {fig.get('router')}{' (' + flags['router_flags'] + ')' if flags.get('router_flags') else ''}, "
+              f"behind {behind}{' (' + flags['router_flags'] + ')' if flags.get('router_flags') else ''}, "
               f"{flags.get('num_requests')} streamed requests on "
               f"{flags.get('num_prefixes')} system prompts of {flags.get('prefix_words')} words, Poisson "
               f"{flags.get('request_rate')}/s, {flags.get('max_tokens')} tokens each: per router policy"),
