@@ -13,12 +13,15 @@ reference with one query per sequence; and `paged_attention`, the jitted public
 function, which checks shapes and picks a backend. Each kernel variant has a file of its
 own, laid out kernel body, then its pallas_call wrapper:
   * paged_attention_gpu.py: `paged_attention_kernel`, one program per (sequence, kv
-    head) computing the whole GQA group of query heads, a `lax.fori_loop` over the
-    sequence's used blocks only. It lowers to Triton on GPU and runs in interpret mode
-    on CPU, where this grid measured 1.2-1.4x a single looping program (SmolLM2 shapes,
-    2 cores) and its time does not grow with the cache size: CPU keeps the GPU kernel
-    rather than a layout of its own. The online-softmax math both variants share lives
-    there too.
+    head, split) computing the whole GQA group of query heads, a `lax.fori_loop` over
+    its share of the sequence's used blocks only, a chunk of blocks per step
+    (TritonTuning, triton_tuning.py; the splits are merged by log-sum-exp). It lowers
+    to Triton on GPU (on an H200 0.5-0.8x the time of dense attention over contiguous
+    K/V for most batches: experiments/gpu_check.sh) and runs in interpret mode on CPU,
+    one block per step and one split, where this grid measured 1.2-1.4x a single
+    looping program (SmolLM2 shapes, 2 cores) and its time does not grow with the cache
+    size: CPU keeps the GPU kernel rather than a layout of its own. The online-softmax
+    math both variants share lives there too.
   * paged_attention_tpu.py: `paged_attention_tpu_kernel`, Mosaic TPU: block tables and
     context lengths scalar-prefetched into SMEM, the cache left in HBM (`pl.ANY`), each
     block's K/V copied into a double-buffered VMEM scratch by async DMA while the
@@ -35,10 +38,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu_call
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu_call
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.triton_tuning import DEFAULT_DECODE_TUNING, TritonTuning
 
 _BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
@@ -99,9 +104,10 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, *
 # ------------------------------------------------------------------------ public API
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "backend"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "backend",
+                                             "tuning"))
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale=None, sliding_window=None,
-                    soft_cap=None, interpret=None, backend=None):
+                    soft_cap=None, interpret=None, backend=None, tuning=None):
     """Decode paged attention: one query per sequence against its blocks in the paged cache.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -118,8 +124,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale
     "cuda" or "rocm" (the kernel lowered to Triton), "tpu" (the Mosaic TPU kernel).
     interpret: None means interpret exactly when JAX's default backend is the CPU; True
     runs the chosen backend's kernel in interpret mode (TPU interpret mode for "tpu").
+    tuning: a TritonTuning (blocks per loop step, splits of a sequence's blocks, warps,
+    pipelining) for "gpu"; None means DEFAULT_DECODE_TUNING there and one block per step
+    in one split on "cpu" (given, "cpu" takes its chunks and splits too, so those paths
+    are testable in interpret mode). Speed only.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if tuning is not None and not isinstance(tuning, TritonTuning):
+        raise ValueError(f"tuning must be None or a TritonTuning; got {tuning!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
     if soft_cap is not None and not soft_cap > 0:
@@ -135,8 +147,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale
                   sliding_window=sliding_window, soft_cap=soft_cap, interpret=bool(interpret))
     block_tables, context_lens = block_tables.astype(jnp.int32), context_lens.astype(jnp.int32)
     if backend == "tpu":
+        if tuning is not None:
+            raise ValueError("tuning applies to the Triton kernel (backend 'gpu' or 'cpu'), not to 'tpu'")
         return paged_attention_tpu_call(q, k_cache, v_cache, block_tables, context_lens, **kwargs)
     # CPU runs the same kernel unpadded; "gpu" in interpret mode keeps Triton's padding,
     # so the exact program Triton gets is testable on CPU
-    return paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens,
-                                    pad_for_triton=backend != "cpu", **kwargs)
+    on_cpu = backend == "cpu"
+    if on_cpu and tuning is None:  # interpret mode reads one block as a view, a gathered chunk element-wise
+        tuning = TritonTuning(chunk_tokens=1, kv_splits=1)
+    tuning = tuning or DEFAULT_DECODE_TUNING
+    triton_dim = max(16, pl.next_power_of_2(q.shape[-1]))  # what Triton's tensors pad head_dim to
+    pages_per_chunk = (tuning.pages_per_chunk(k_cache.shape[1]) if on_cpu else
+                       tuning.pages_per_chunk(k_cache.shape[1], triton_dim, jnp.dtype(q.dtype).itemsize))
+    max_chunks = -(-block_tables.shape[1] // pages_per_chunk)
+    num_splits = tuning.num_splits(q.shape[0], k_cache.shape[2], max_chunks)
+    return paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, pad_for_triton=not on_cpu,
+                                    pages_per_chunk=pages_per_chunk, num_splits=num_splits,
+                                    num_warps=tuning.num_warps, num_stages=tuning.num_stages, **kwargs)

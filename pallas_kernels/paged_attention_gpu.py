@@ -1,11 +1,14 @@
 """Decode paged attention's Pallas kernel for GPU (Triton), also run in interpret mode on CPU.
 
 One program per (sequence, kv head) computes the whole GQA group of query heads with a
-`lax.fori_loop` over the sequence's used blocks only, reading each block's K/V in place
-through the block table. Triton wants power-of-two tensors and dots of at least 16 per
-dimension, so the wrapper pads the group and head_dim for it; the CPU path runs the same
-kernel unpadded. The online-softmax math at the top is shared with the TPU variant
-(paged_attention_tpu.py). Called through `paged_attention(..., backend="gpu" | "cpu")`.
+`lax.fori_loop` over the sequence's used blocks only, reading K/V in place through the
+block table, `pages_per_chunk` blocks per step (TritonTuning.chunk_tokens on GPU: more
+keys per step keep more loads in flight; one block per step on CPU, where interpret mode
+reads a single block as a view but a gathered chunk element by element). Triton wants
+power-of-two tensors and dots of at least 16 per dimension, so the wrapper pads the group
+and head_dim for it; the CPU path runs the same kernel unpadded. The online-softmax math
+at the top is shared with the TPU variant (paged_attention_tpu.py). Called through
+`paged_attention(..., backend="gpu" | "cpu")`.
 """
 
 from __future__ import annotations
@@ -102,44 +105,69 @@ def _finish(l, acc):
 
 
 def paged_attention_kernel(
-        block_tables_ref,  # i32[num_seqs, max_blocks_per_seq] (whole array)
+        block_tables_ref,  # i32[num_seqs, max_blocks_per_seq + pages_per_chunk - 1] (whole array)
         context_lens_ref,  # i32[num_seqs] (whole array)
         q_ref,  # [group_rows, head_dim_padded]: the query heads of one kv head of one sequence
-        k_cache_ref,  # [num_blocks, block_size, num_kv_heads, head_dim_padded] (whole cache)
-        v_cache_ref,  # [num_blocks, block_size, num_kv_heads, head_dim_padded]
-        o_ref,  # [group_rows, head_dim_padded]
-        *, head_dim: int, sm_scale: float, sliding_window: int | None, soft_cap: float | None):
-    """Program (sequence, kv head): online softmax over the sequence's used blocks only.
+        k_cache_ref,  # [num_blocks, block_size, num_kv_heads, head_dim(_padded)] (whole cache)
+        v_cache_ref,  # [num_blocks, block_size, num_kv_heads, head_dim(_padded)]
+        o_ref,  # [group_rows, head_dim_padded]: q's dtype; f32 and this split's share with num_splits > 1
+        *split_refs,  # num_splits > 1: m_ref, l_ref f32[group_rows, 1], this split's running max and sum
+        head_dim: int, max_blocks_per_seq: int, pages_per_chunk: int, num_splits: int, sm_scale: float,
+        sliding_window: int | None, soft_cap: float | None):
+    """Program (sequence, kv head, split): online softmax over the split's share of the
+    sequence's used blocks, pages_per_chunk blocks per loop step.
 
+    Splits: the used blocks are cut into num_splits runs of whole chunks, one program
+    each, so that a batch of few sequences still fills the GPU; each writes its
+    normalized output with its (max, sum), and the wrapper merges them (log-sum-exp).
     For Triton the wrapper pads group_rows and head_dim to powers of two >= 16: padded
-    query rows are zero and dropped afterwards, padded head dims are masked on load.
+    query rows are zero and dropped afterwards. One block per step reads it as a view
+    (padded head dims masked on load); several per step gather them through their table
+    entries (padded head dims read column head_dim - 1 again: q is zero there, and the
+    output columns they feed are cut off), table entries past the used blocks replaced by
+    the null block.
     """
-    seq, kv_head = pl.program_id(0), pl.program_id(1)
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_rows, head_dim_padded = q_ref.shape
     block_size = k_cache_ref.shape[1]
+    chunk = pages_per_chunk * block_size
     context_len = context_lens_ref[seq]
-    first, end = _block_range(context_len, block_size, block_tables_ref.shape[1], sliding_window)
-    dim_mask = None
-    if head_dim != head_dim_padded:
-        dim_mask = lax.broadcasted_iota(jnp.int32, (block_size, head_dim_padded), 1) < head_dim
+    first, end = _block_range(context_len, block_size, max_blocks_per_seq, sliding_window)
+    num_chunks = lax.div(end - first + (pages_per_chunk - 1), pages_per_chunk)
+    per_split = lax.div(num_chunks + (num_splits - 1), num_splits)
+    first_chunk = split * per_split  # this split's chunks: [first_chunk, first_chunk + num_steps)
+    num_steps = jnp.clip(num_chunks - first_chunk, 0, per_split)
 
-    def load_block(cache_ref, block_id):  # [block_size, head_dim_padded], read in place
-        view = cache_ref.at[block_id, :, kv_head, :]
-        return view[...] if dim_mask is None else plgpu.load(view, mask=dim_mask, other=0)
+    if pages_per_chunk == 1:
+        dim_mask = None
+        if head_dim != head_dim_padded:
+            dim_mask = lax.broadcasted_iota(jnp.int32, (block_size, head_dim_padded), 1) < head_dim
+
+        def load_chunk(cache_ref, page0):  # [block_size, head_dim_padded], read in place
+            view = cache_ref.at[block_tables_ref[seq, page0], :, kv_head, :]
+            return view[...] if dim_mask is None else plgpu.load(view, mask=dim_mask, other=0)
+    else:
+        slot_index = jnp.arange(block_size)[None, :, None]
+        dim_index = jnp.minimum(jnp.arange(head_dim_padded), head_dim - 1)[None, None, :]
+
+        def load_chunk(cache_ref, page0):  # [chunk, head_dim_padded], gathered through the table
+            page_index = page0 + jnp.arange(pages_per_chunk)
+            pages = jnp.where(page_index < end, block_tables_ref[seq, pl.ds(page0, pages_per_chunk)], 0)
+            return cache_ref[pages[:, None, None], slot_index, kv_head, dim_index].reshape(chunk, head_dim_padded)
 
     q = q_ref[...]
-    # Triton's dot needs >= 16 keys; a smaller block is reduced by hand (same math)
-    use_dot = block_size >= _TRITON_MIN_DIM
+    # Triton's dot needs >= 16 keys; a smaller chunk is reduced by hand (same math)
+    use_dot = chunk >= _TRITON_MIN_DIM
 
-    def body(logical_block, carry):
-        block_id = block_tables_ref[seq, logical_block]
-        k = load_block(k_cache_ref, block_id)
-        v = load_block(v_cache_ref, block_id)
-        start = logical_block * block_size
-        mask = _key_mask(start + lax.broadcasted_iota(jnp.int32, (1, block_size), 1), context_len,
-                         sliding_window)  # [1, block_size], for the scores
-        row_mask = _key_mask(start + lax.broadcasted_iota(jnp.int32, (block_size, 1), 0), context_len,
-                             sliding_window)  # [block_size, 1], for the values
+    def body(step, carry):
+        page0 = first + (first_chunk + step) * pages_per_chunk
+        k = load_chunk(k_cache_ref, page0)
+        v = load_chunk(v_cache_ref, page0)
+        start = page0 * block_size
+        mask = _key_mask(start + lax.broadcasted_iota(jnp.int32, (1, chunk), 1), context_len,
+                         sliding_window)  # [1, chunk], for the scores
+        row_mask = _key_mask(start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0), context_len,
+                             sliding_window)  # [chunk, 1], for the values
         # slots past the context may hold NaN, and 0 * NaN is NaN: zero them
         v = jnp.where(row_mask, v, 0)
         if use_dot:
@@ -151,16 +179,33 @@ def paged_attention_kernel(
         pv = lambda p: jnp.sum(p[:, :, None] * v[None, :, :].astype(jnp.float32), axis=1)
         return _online_softmax_step(carry, s, mask, pv)
 
-    _, l, acc = lax.fori_loop(first, end, body, _init_state(group_rows, head_dim_padded))
+    m, l, acc = lax.fori_loop(0, num_steps, body, _init_state(group_rows, head_dim_padded))
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+    if split_refs:
+        m_ref, l_ref = split_refs
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _merge_splits(o, m, l):
+    """One output from the splits' normalized outputs o f32[..., splits, rows, dim] and
+    their running max m and sum l f32[..., splits, rows, 1] (empty splits: m -inf, l 0)."""
+    m_max = jnp.max(m, axis=-3, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    weight = jnp.where(l > 0, jnp.exp(m - m_safe) * l, 0.0)
+    total = jnp.sum(weight, axis=-3)
+    return jnp.sum(weight * o, axis=-3) / jnp.where(total > 0, total, 1.0)
 
 
 def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale, sliding_window,
-                             soft_cap, interpret, pad_for_triton):
-    """pallas_call of `paged_attention_kernel` over the (sequence, kv head) grid, inputs as
-    `paged_attention` checked and cast them; pad_for_triton pads group and head_dim."""
+                             soft_cap, interpret, pad_for_triton, pages_per_chunk, num_splits, num_warps,
+                             num_stages):
+    """pallas_call of `paged_attention_kernel` over the (sequence, kv head, split) grid,
+    inputs as `paged_attention` checked and cast them; pad_for_triton pads group and
+    head_dim."""
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    max_blocks_per_seq = block_tables.shape[1]
     group = num_heads // num_kv_heads
     group_rows, head_dim_padded = group, head_dim
     if pad_for_triton:
@@ -168,21 +213,37 @@ def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *,
         head_dim_padded = max(_TRITON_MIN_DIM, pl.next_power_of_2(head_dim))
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - group), (0, head_dim_padded - head_dim)))
-    whole = lambda shape: pl.BlockSpec(shape, lambda s, h: (0,) * len(shape))
-    # the cache's block is the whole cache (head_dim rounded up for Triton: a padded block
-    # whose extra columns the kernel masks); the kernel indexes blocks through the table
-    cache_spec = whole((num_blocks, block_size, num_kv_heads, head_dim_padded))
-    group_spec = pl.BlockSpec((None, None, group_rows, head_dim_padded), lambda s, h: (s, h, 0, 0))
-    kernel = functools.partial(paged_attention_kernel, head_dim=head_dim, sm_scale=sm_scale,
+    # a chunk's table entries stay in bounds (the ones past the used blocks are not used)
+    tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_chunk - 1)))
+    whole = lambda shape: pl.BlockSpec(shape, lambda s, h, k: (0,) * len(shape))
+    # the cache's block is the whole cache; the kernel indexes blocks through the table.
+    # Read as views, head_dim is rounded up for Triton (a padded block whose extra columns
+    # the kernel masks); gathered, the kernel never indexes past head_dim
+    cache_dim = head_dim_padded if pages_per_chunk == 1 else head_dim
+    cache_spec = whole((num_blocks, block_size, num_kv_heads, cache_dim))
+    q_spec = pl.BlockSpec((None, None, group_rows, head_dim_padded), lambda s, h, k: (s, h, 0, 0))
+    if num_splits == 1:
+        out_specs = pl.BlockSpec((None, None, group_rows, head_dim_padded), lambda s, h, k: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    else:
+        split_spec = lambda cols: pl.BlockSpec((None, None, None, group_rows, cols), lambda s, h, k: (s, h, k, 0, 0))
+        split_shape = lambda cols: jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, group_rows, cols),
+                                                        jnp.float32)
+        out_specs = [split_spec(head_dim_padded), split_spec(1), split_spec(1)]
+        out_shape = [split_shape(head_dim_padded), split_shape(1), split_shape(1)]
+    kernel = functools.partial(paged_attention_kernel, head_dim=head_dim, max_blocks_per_seq=max_blocks_per_seq,
+                               pages_per_chunk=pages_per_chunk, num_splits=num_splits, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
-        grid=(num_seqs, num_kv_heads),
-        in_specs=[whole(block_tables.shape), whole(context_lens.shape), group_spec, cache_spec, cache_spec],
-        out_specs=group_spec,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[whole(tables.shape), whole(context_lens.shape), q_spec, cache_spec, cache_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_attention_decode",
-    )(block_tables, context_lens, qg, k_cache, v_cache)
+    )(tables, context_lens, qg, k_cache, v_cache)
+    if num_splits > 1:
+        out = _merge_splits(*out).astype(q.dtype)
     return out[:, :, :group, :head_dim].reshape(num_seqs, num_heads, head_dim)

@@ -19,7 +19,9 @@ pallas_call wrapper; ragged_tiling.py cuts the batch into query tiles for all of
     (sliding-window start to causal end), with an f32 online softmax; gathered K/V never
     exceed one chunk. Two tilings of the same body:
       - "gpu" (Triton): a program per (tile, KV head); group and head_dim padded to
-        powers of two, at least 16 rows per dot, masked stores of the tile's rows.
+        powers of two, TritonTuning.query_rows rows (at least 16) per program,
+        masked stores of the tile's rows (decode steps go to the decode kernel when the
+        engine runs on a GPU: paged_jax/attention/decode_dispatch.py).
       - "cpu" (interpret mode): one program that loops over every tile and does all KV
         heads at once: interpret mode pays per grid step (32 decode rows at context 512:
         the gpu tiling 19 ms, this program 5.7 ms, the jnp reference 6.3 ms).
@@ -44,6 +46,7 @@ from jax import lax
 
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu_call
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu_call
+from pallas_kernels.triton_tuning import DEFAULT_RAGGED_TUNING, TritonTuning
 
 BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
@@ -149,9 +152,11 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, context_
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "backend"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "backend",
+                                             "tuning"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
-                           sm_scale=None, sliding_window=None, soft_cap=None, interpret=None, backend=None):
+                           sm_scale=None, sliding_window=None, soft_cap=None, interpret=None, backend=None,
+                           tuning=None):
     """Ragged paged attention, the Pallas kernel (same contract as the reference).
 
     q [num_tokens, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -171,9 +176,13 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
     mode only), "gpu", "cuda" or "rocm" (the Triton tiling: a program per query tile and
     KV head; needs a power-of-two block_size), "tpu" (the Mosaic kernel). interpret: None
     means interpret exactly when JAX's default backend is the CPU; True runs the chosen
-    backend's kernel in interpret mode (TPU interpret mode for "tpu").
+    backend's kernel in interpret mode (TPU interpret mode for "tpu"). tuning: a
+    TritonTuning for the gpu tiling (query rows per program, keys per step, warps,
+    pipelining); None means DEFAULT_RAGGED_TUNING. Speed only; other backends refuse one.
     """
     _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    if tuning is not None and not isinstance(tuning, TritonTuning):
+        raise ValueError(f"tuning must be None or a TritonTuning; got {tuning!r}")
     if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
@@ -198,6 +207,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens, quer
                   interpret=bool(interpret))
     args = (q, k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
             query_start_loc.astype(jnp.int32))
+    if tuning is not None and backend != "gpu":
+        raise ValueError(f"tuning shapes the gpu tiling; backend {backend!r} takes none")
     if backend == "tpu":
         return ragged_paged_attention_tpu_call(*args, **kwargs)
-    return ragged_paged_attention_gpu_call(*args, backend=backend, **kwargs)
+    return ragged_paged_attention_gpu_call(*args, backend=backend, tuning=tuning or DEFAULT_RAGGED_TUNING, **kwargs)

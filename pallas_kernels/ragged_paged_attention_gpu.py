@@ -223,14 +223,15 @@ def _attend_all_tiles(tile_info_ref, num_tiles_ref, context_lens_ref, block_tabl
 
 
 def ragged_paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
-                                    backend, sm_scale, sliding_window, soft_cap, interpret):
-    """pallas_call of `ragged_paged_attention_kernel` with backend's tiling ("gpu" or "cpu"),
-    inputs as `ragged_paged_attention` checked and cast them."""
+                                    backend, sm_scale, sliding_window, soft_cap, interpret, tuning):
+    """pallas_call of `ragged_paged_attention_kernel` with backend's tiling ("gpu" or "cpu";
+    `tuning`, a TritonTuning, shapes the gpu one), inputs as `ragged_paged_attention`
+    checked and cast them."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    layout = _layout(backend, group, head_dim, block_size)
+    layout = _layout(backend, group, head_dim, block_size, tuning, jnp.dtype(q.dtype).itemsize)
     tile_info, num_tiles = _query_tiles(query_start_loc, context_lens, layout=layout, num_tokens=num_tokens)
     # pad: a tile's rows and a chunk's pages_per_chunk table entries stay in bounds
     tables = jnp.pad(block_tables, ((0, 0), (0, max(layout.pages_per_chunk))))
@@ -242,7 +243,8 @@ def ragged_paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_l
     if layout.single_program:
         grid, compiler_params = (1,), None
     else:
-        grid, compiler_params = (tile_info.shape[-1], num_kv_heads), plgpu.CompilerParams(num_warps=4, num_stages=2)
+        grid = (tile_info.shape[-1], num_kv_heads)
+        compiler_params = plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     out = pl.pallas_call(
         kernel,
         grid=grid,

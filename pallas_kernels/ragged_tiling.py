@@ -13,6 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.triton_tuning import DEFAULT_RAGGED_TUNING, TritonTuning
+
 # Interpret-mode tiling, measured on 2 CPU cores with SmolLM2's shapes. Sequences with at
 # most _CPU_SHORT_QUERY_LEN query tokens (decode rows) get one-token tiles,
 # _CPU_SHORT_TILES_PER_STEP of them per loop step: a wider tile would multiply their dot
@@ -24,9 +26,8 @@ _CPU_SHORT_QUERY_LEN = 8
 _CPU_SHORT_TILES_PER_STEP = 8
 _CPU_QUERY_TILE = 64
 _CPU_CHUNK_TOKENS = (256, 512)
-# Triton tiling: at least 16 rows (group x tokens) per dot, 64 keys per step.
-_GPU_MIN_ROWS = 16
-_GPU_CHUNK_TOKENS = 64
+# Triton tiling: TritonTuning's query_rows rows (group x tokens) per program and
+# chunk_tokens keys per step (pallas_kernels/triton_tuning.py).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,15 @@ class _Layout:
                           # program per (tile, KV head) (gpu)
 
 
-def _layout(backend: str, group: int, head_dim: int, block_size: int) -> _Layout:
+def _layout(backend: str, group: int, head_dim: int, block_size: int,
+            tuning: TritonTuning = DEFAULT_RAGGED_TUNING, itemsize: int = 4) -> _Layout:
     if backend == "gpu":
         group_padded = pl.next_power_of_2(group)
-        rows = max(_GPU_MIN_ROWS, group_padded)
+        rows = max(tuning.query_rows, group_padded)
+        head_dim_padded = max(16, pl.next_power_of_2(head_dim))
         return _Layout(query_tiles=(rows // group_padded,), tiles_per_step=(1,), short_query_len=0,
-                       pages_per_chunk=(max(1, _GPU_CHUNK_TOKENS // block_size),), group_padded=group_padded,
-                       head_dim_padded=max(16, pl.next_power_of_2(head_dim)), single_program=False)
+                       pages_per_chunk=(tuning.pages_per_chunk(block_size, head_dim_padded, itemsize),),
+                       group_padded=group_padded, head_dim_padded=head_dim_padded, single_program=False)
     return _Layout(query_tiles=(1, _CPU_QUERY_TILE), tiles_per_step=(_CPU_SHORT_TILES_PER_STEP, 1),
                    short_query_len=_CPU_SHORT_QUERY_LEN,
                    pages_per_chunk=tuple(max(1, tokens // block_size) for tokens in _CPU_CHUNK_TOKENS),
