@@ -14,14 +14,16 @@ fuses no gather into a dot), which is why the native C++ kernel (cpu_kernels/, b
 A step with a prefill chunk goes to `otherwise` (the engine passes the Pallas kernel): a
 first version ran such steps through this loop per query token, gathering a chunk per
 token, and was far slower end to end on a prefill-heavy trace than the kernel, which
-tiles a sequence's query tokens over one gather. Which of the two runs is decided inside the step (`lax.cond`),
-since both kinds of step share padded shapes.
+tiles a sequence's query tokens over one gather. Which of the two runs is decided inside
+the step (decode_dispatch.py), since both kinds of step share padded shapes.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+
+from paged_jax.attention.decode_dispatch import decode_or_ragged
 
 CHUNK_TOKENS = 128  # keys per loop iteration: ~6 MB of f32 K per 64 decode rows for SmolLM2
 
@@ -32,29 +34,16 @@ def chunked_decode_attention(q, k_cache, v_cache, block_tables, context_lens, qu
     i32[S, max_blocks]; context_lens i32[S]; query_start_loc i32[S + 1]. Returns
     [T, Hq, D] in q's dtype (padding tokens: zeros). `otherwise(q, k_cache, ...,
     sm_scale=, sliding_window=, soft_cap=)` serves steps with a prefill chunk."""
-    q, k_cache, v_cache, block_tables, context_lens, query_start_loc = (
-        jnp.asarray(a) for a in (q, k_cache, v_cache, block_tables, context_lens, query_start_loc))
-    num_tokens, num_heads, head_dim = q.shape
-    block_size = k_cache.shape[1]
+    head_dim, block_size = q.shape[-1], k_cache.shape[1]
     chunk_blocks = chunk_blocks or max(1, CHUNK_TOKENS // block_size)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-    def per_sequence():
-        has_query = q_lens > 0
-        rows_q = q[jnp.minimum(query_start_loc[:-1], num_tokens - 1)]
-        kv_len = jnp.where(has_query, context_lens, 0)
-        out = _attend_rows(rows_q, block_tables, kv_len, kv_len - 1, k_cache=k_cache, v_cache=v_cache,
-                           chunk_blocks=chunk_blocks, scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap)
-        # a sequence without a query token writes nowhere (index past the end: dropped)
-        index = jnp.where(has_query, query_start_loc[:-1], num_tokens)
-        return jnp.zeros_like(q).at[index].set(out, mode="drop")
+    def decode(rows_q, k_cache, v_cache, tables, kv_lens, *, sm_scale, sliding_window, soft_cap):
+        return _attend_rows(rows_q, tables, kv_lens, kv_lens - 1, k_cache=k_cache, v_cache=v_cache,
+                            chunk_blocks=chunk_blocks, scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
+                            sliding_window=sliding_window, soft_cap=soft_cap)
 
-    def ragged():
-        return otherwise(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, **options)
-
-    return lax.cond(jnp.all(q_lens <= 1), per_sequence, ragged)
+    return decode_or_ragged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, decode=decode,
+                            ragged=otherwise, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def _attend_rows(q, tables, kv_len, position, *, k_cache, v_cache, chunk_blocks, scale, sliding_window, soft_cap):

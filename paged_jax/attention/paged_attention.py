@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
 from cpu_kernels.write_kv import write_kv
 from paged_jax.attention.chunked_attention import chunked_decode_attention
+from paged_jax.attention.decode_dispatch import decode_or_ragged
+from pallas_kernels.paged_attention import paged_attention as decode_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 
@@ -32,7 +35,7 @@ class PagedMetadata(NamedTuple):
 def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_window=None, backend="reference"):
     """The model's attention_fn for the paged cache: write K/V at the slots, then attend
     through the block tables with the C++ CPU kernel (backend "native",
-    cpu_kernels/ragged_paged_attention.cc), the Pallas kernel ("pallas"), the XLA chunked
+    cpu_kernels/ragged_paged_attention.cc), the Pallas kernels ("pallas"), the XLA chunked
     loop for decode steps and the kernel for the others ("xla", chunked_attention.py) or
     the jnp reference ("reference").
     q [T, Hq, D]; k, v [T, Hkv, D]."""
@@ -44,7 +47,7 @@ def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_wi
         kv_cache = {name: kv_cache[name].at[layer, blocks, offsets].set(new.astype(kv_cache[name].dtype), mode="drop")
                     for name, new in (("k", k), ("v", v))}
     attend = {"native": ragged_paged_attention_cpu,
-              "pallas": ragged_paged_attention,
+              "pallas": pallas_attention(jax.default_backend()),
               "xla": functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention),
               "reference": ragged_paged_attention_reference}[backend]
     # The kernels take one pool of blocks. Slicing out this layer (`cache[layer]`, a
@@ -59,3 +62,13 @@ def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, sliding_wi
     out = attend(q.astype(pool["k"].dtype), pool["k"], pool["v"], tables, meta.context_lens, meta.query_start_loc,
                  sliding_window=sliding_window)
     return out.astype(q.dtype), kv_cache
+
+
+def pallas_attention(platform: str):
+    """The "pallas" backend on a JAX platform: on a GPU, decode steps go to the decode
+    kernel and the others to the ragged kernel (decode_dispatch.py: 2x faster decode on an
+    H200); elsewhere the ragged kernel takes every step (on CPU, in interpret mode, its
+    single-program tiling is the one measured fast)."""
+    if platform in ("gpu", "cuda", "rocm"):
+        return functools.partial(decode_or_ragged, decode=decode_paged_attention, ragged=ragged_paged_attention)
+    return ragged_paged_attention
