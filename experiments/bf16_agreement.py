@@ -95,41 +95,10 @@ def logit_closeness(reference, candidate) -> dict:
             "per_prompt": [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
 
 
-class LastLogits:
-    """Wraps a runner's jitted step to keep a copy of row 0 of the last step's logits (the
-    engine's own, in its serving layout and dtype); `with` scope restores the step."""
-
-    def __init__(self, runner):
-        self.runner, self.row = runner, None
-
-    def __enter__(self):
-        import jax
-        import numpy as np
-        step = self.original = self.runner._step
-
-        def capture(*args):
-            logits, cache = step(*args)
-            self.row = np.array(jax.device_get(logits)[0], np.float32)  # a copy: the buffer is donated next step
-            return logits, cache
-        self.runner._step = capture
-        return self
-
-    def __exit__(self, *exc):
-        self.runner._step = self.original
-
-
-def next_token_logits(llm, token_ids) -> tuple:
-    """(logits row, greedy token) after `token_ids`, one prefill of that request alone."""
-    from paged_jax.core.sampling_params import SamplingParams
-    with LastLogits(llm.engine.runner) as last:
-        out = llm.generate([{"prompt_token_ids": list(token_ids)}],
-                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    return last.row, out[0].outputs[0].token_ids[0]
-
-
 def divergence_gaps(engines, requests, outputs) -> list[dict]:
     """For each request whose outputs differ: each engine's logit of its own token minus the
     other's token, after the common prefix (a small f32 gap: bf16 flipped a near tie)."""
+    from experiments.benchmarks.logits_capture import next_token_logits
     from experiments.benchmarks.vllm_worker import first_difference
     found = []
     for i, (r, a, b) in enumerate(zip(requests, outputs["float32"], outputs["bfloat16"])):
@@ -150,6 +119,7 @@ def main(argv):
     import os
 
     from experiments.bench_models import load_for_benchmark
+    from experiments.benchmarks.logits_capture import next_token_logits
     from experiments.benchmarks.workloads import make_trace
     from experiments.reporting.results_io import write_result
     from paged_jax.core.sampling_params import SamplingParams

@@ -68,8 +68,9 @@ def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = No
     module = script[:-3] if script.endswith(".py") else name.split(".")[0]
     record = {
         "name": name,
-        # shell-quoted: a flag value with spaces (--replica_flags="...") stays one argument
-        "command": shlex.join([os.path.basename(sys.executable), "-m", f"experiments.{module}"] + sys.argv[1:]),
+        # shell-quoted: a flag value with spaces (--replica_flags="...") stays one argument; "python"
+        # whatever this interpreter's file is called (python3 on some machines): the README's word
+        "command": shlex.join(["python", "-m", f"experiments.{module}"] + sys.argv[1:]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flags": portable(flags),
         "seed": seed,
