@@ -25,7 +25,7 @@ _RESULTS_DIR = flags.DEFINE_string("results_dir", os.path.join("experiments", "r
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join("experiments", "plots"), "Where the PNGs go.")
 _ONLY = flags.DEFINE_list("only", None, "Plot names to make (default: all): utilization_waste, batched_timeline, "
                                         "latency_vs_rate, block_size_sweep, sharing_savings, roofline, "
-                                        "fleet_routing.")
+                                        "fleet_routing, real_fleet_routing.")
 
 _DPI = 100  # 8 x 4.5 in at 100 dpi: readable on GitHub, ~50 KB per PNG
 _WASTE_KINDS = (("waste_internal_slots", "internal (reserved, never used)"),
@@ -287,12 +287,16 @@ def roofline(record: dict, out_dir: str, name: str = "roofline") -> str:
     return _save(fig, out_dir, name)
 
 
-def fleet_routing(record: dict, out_dir: str) -> str:
-    """fleet_routing: per routing policy, the fleet's prefix-cache hit rate, TTFT p50 / p90
-    and requests per replica (simulate_fleet.py's record)."""
+def fleet_routing(record: dict, out_dir: str, name: str = "fleet_routing") -> str:
+    """fleet_routing / real_fleet_routing: per routing policy (and router, where a record
+    compares routers), the fleet's prefix-cache hit rate, TTFT p50 / p90 and requests per
+    replica (simulate_fleet.py's record: virtual seconds; fleet_prefix_routing.py's: real
+    replicas on loopback)."""
     plt = _pyplot()
     runs, fl = record["figures"]["runs"], record.get("flags") or {}
-    policies = [r["policy"] for r in runs]
+    real = "replica_flags" in fl  # fleet_prefix_routing's flags; runs name their router by "name version"
+    routers = {r["router"] for r in runs} if real else set()
+    labels = [r["policy"] + (f"\n{r['router'].split()[0]}" if len(routers) > 1 else "") for r in runs]
     positions = list(range(len(runs)))
     fig, (hit_ax, ttft_ax, load_ax) = plt.subplots(1, 3, figsize=(13.5, 4.5))
     bars = hit_ax.bar(positions, [100 * r["prefix_cache_hit_rate"] for r in runs], color="tab:green")
@@ -303,7 +307,9 @@ def fleet_routing(record: dict, out_dir: str) -> str:
     for offset, (key, label) in zip((-width / 2, width / 2), (("ttft_s_p50", "p50"), ("ttft_s_p90", "p90"))):
         bars = ttft_ax.bar([p + offset for p in positions], [r[key] for r in runs], width, label=label)
         ttft_ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ttft_ax.set_ylabel("time to first token (s, virtual)")
+    ttft_ax.set_ylabel("time to first token (s)" if real else "time to first token (s, virtual)")
+    if real:  # round-robin's queues make its TTFT 100x the others': a log axis keeps all readable
+        ttft_ax.set_yscale("log")
     ttft_ax.legend(fontsize=8)
     num_replicas = len(runs[0]["requests_per_replica"])
     width = 0.8 / num_replicas
@@ -313,10 +319,16 @@ def fleet_routing(record: dict, out_dir: str) -> str:
                     color=plt.cm.tab10(r_index))
     load_ax.set_ylabel("requests per replica")
     for ax in (hit_ax, ttft_ax, load_ax):
-        ax.set_xticks(positions, policies)
-    fig.suptitle(f"Simulated fleet: {num_replicas} replicas, {fl.get('num_requests')} {fl.get('workload')} requests "
+        ax.set_xticks(positions, labels, fontsize=8)
+    if real:
+        title = (f"{num_replicas} serve_local replicas on loopback, {fl.get('num_requests')} requests on "
+                 f"{fl.get('num_prefixes')} shared system prompts (~{fl.get('prefix_words')} words) at "
+                 f"{fl.get('request_rate')}/s")
+    else:
+        title = (f"Simulated fleet: {num_replicas} replicas, {fl.get('num_requests')} {fl.get('workload')} requests "
                  f"({fl.get('num_prefixes')} prefixes of {fl.get('prefix_len')} tokens) at {fl.get('request_rate')}/s")
-    return _save(fig, out_dir, "fleet_routing")
+    fig.suptitle(title)
+    return _save(fig, out_dir, name)
 
 
 # plot name -> (results file it reads, function)
@@ -330,6 +342,8 @@ PLOTS = {
     "sharing_savings": ("sharing_savings.json", sharing_savings),
     "roofline": ("roofline.json", roofline),
     "fleet_routing": ("simulate_fleet.json", fleet_routing),
+    "real_fleet_routing": ("fleet_prefix_routing_sglang.json",
+                           functools.partial(fleet_routing, name="real_fleet_routing")),
 }
 
 

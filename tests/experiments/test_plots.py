@@ -34,7 +34,7 @@ def _assert_png(path, min_colors=3):
     assert ((rgb.max(axis=-1) - rgb.min(axis=-1)) > 0.3).mean() > 0.002
 
 
-@pytest.mark.parametrize("name", ["utilization_waste", "sharing_savings"])
+@pytest.mark.parametrize("name", ["utilization_waste", "sharing_savings", "real_fleet_routing"])
 def test_plots_from_committed_records(name, tmp_path):
     filename, plot = plots.PLOTS[name]
     with open(os.path.join(RESULTS_DIR, filename)) as f:
