@@ -83,6 +83,8 @@ def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str
             cell += " (after `bash experiments/setup_vllm_cpu.sh`)"
         if command.module in results_rows.NEEDS_ROUTER_VENV:
             cell += f" (after `{router_setup(record)}`)"
+        if (record.get("environment") or {}).get("platform") in ("gpu", "cuda", "rocm"):
+            cell += " (on a CUDA GPU with JAX's CUDA plugin; `bash experiments/gpu_check.sh` runs it)"
         for figure, value in builder(record):
             rows.append((figure, value, cell, filename))
     return rows

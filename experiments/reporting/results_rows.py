@@ -117,15 +117,6 @@ def load_times(record: dict) -> list:
              f"(min of {record['flags']['repeats']})"), _join((fig[k]["min_s"] for k, _ in kinds), "{:.2g} s"))]
 
 
-def bench_kernel(record: dict) -> list:
-    points = record["figures"]["points"]
-    heads = _span(f"{p['num_heads']} query / {p['num_kv_heads']} KV heads x {p['head_dim']}" for p in points)
-    return [((f"ragged kernel / jnp reference, decode, {heads}, block {_span(p['block_size'] for p in points)}, "
-             f"{_span(p['dtype'] for p in points)}: {_span(p['num_seqs'] for p in points)} seqs x context "
-             f"{_span(p['context_len'] for p in points)}"),
-             _join((p["ragged_paged_attention_over_reference"] for p in points), "{:.2f}", ", ") + _cpu_note(record))]
-
-
 def prefix_cache_ttft(record: dict) -> list:
     fig, flags = record["figures"], record["flags"]
     question = statistics.mean(fig["prompt_lens"]) - fig["prefix_len"]
@@ -340,12 +331,14 @@ from experiments.reporting import dashboard_rows  # noqa: E402  (the dashboard's
 from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulation)
 from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
 from experiments.reporting import simulator_rows  # noqa: E402  (the simulator's profile)
+from experiments.reporting import kernel_rows  # noqa: E402  (the kernels', CPU or GPU)
 from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
                                              step_shape_costs, step_time_vs_cache_size)
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
-    "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": bench_kernel,
+    "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": kernel_rows.bench_kernel,
+    "attention_backends": kernel_rows.attention_backends,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
