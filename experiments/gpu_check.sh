@@ -9,8 +9,8 @@
 # 2. the kernel benchmarks (experiments/bench_kernel.py): the device's memory bandwidth and
 #    bf16 matmul rate, then decode kernels vs the jnp reference, dense attention and JAX's own
 #    Pallas GPU kernel on a grid of batches (record bench_kernel_<TAG>), and a sweep of
-#    TritonTunings on two decode batches and their prefill chunks (bench_kernel_<TAG>_tunings),
-#    with GB/s and fractions of the ceilings;
+#    TritonTunings on decode batches of 16 and 64 sequences and on prefill chunks
+#    (bench_kernel_<TAG>_tunings), with GB/s and fractions of the ceilings;
 # 3. the engine end to end (experiments/attention_backends.py): SmolLM2-135M's shapes with random
 #    weights (the real ones are too large to carry), 64 ShareGPT-like requests, the jnp
 #    reference vs the Pallas kernels (and the XLA decode loop) in bfloat16: output tok/s and
