@@ -75,6 +75,8 @@ def compare(reference_llm, requests, reference: list[list[int]], candidate: list
             tie_tolerance: float) -> dict:
     """Equal outputs, and at each first difference the reference engine's logit gap
     between its token and the candidate's after the common prefix."""
+    import numpy as np
+
     from experiments.benchmarks.logits_capture import next_token_logits
     from experiments.benchmarks.vllm_worker import first_difference
     rows = []
@@ -87,7 +89,7 @@ def compare(reference_llm, requests, reference: list[list[int]], candidate: list
             continue
         logits, _ = next_token_logits(reference_llm, list(r.prompt_token_ids) + list(a[:d]))
         gap = float(logits[a[d]] - logits[b[d]])
-        top2 = sorted(logits)[-2:]
+        top2 = np.partition(logits, -2)[-2:]
         rows.append({"request": i, "position": d, "reference_token": a[d], "candidate_token": b[d],
                      "reference_logit_gap": round(gap, 6), "near_tie": abs(gap) <= tie_tolerance,
                      "reference_top2_margin": round(float(top2[1] - top2[0]), 6),

@@ -38,7 +38,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu_call
 from pallas_kernels.paged_attention_tpu import paged_attention_tpu_call
@@ -155,12 +154,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale
     on_cpu = backend == "cpu"
     if on_cpu and tuning is None:  # interpret mode reads one block as a view, a gathered chunk element-wise
         tuning = TritonTuning(chunk_tokens=1, kv_splits=1)
-    tuning = tuning or DEFAULT_DECODE_TUNING
-    triton_dim = max(16, pl.next_power_of_2(q.shape[-1]))  # what Triton's tensors pad head_dim to
-    pages_per_chunk = (tuning.pages_per_chunk(k_cache.shape[1]) if on_cpu else
-                       tuning.pages_per_chunk(k_cache.shape[1], triton_dim, jnp.dtype(q.dtype).itemsize))
-    max_chunks = -(-block_tables.shape[1] // pages_per_chunk)
-    num_splits = tuning.num_splits(q.shape[0], k_cache.shape[2], max_chunks)
     return paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, pad_for_triton=not on_cpu,
-                                    pages_per_chunk=pages_per_chunk, num_splits=num_splits,
-                                    num_warps=tuning.num_warps, num_stages=tuning.num_stages, **kwargs)
+                                    tuning=tuning or DEFAULT_DECODE_TUNING, **kwargs)

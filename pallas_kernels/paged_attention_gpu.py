@@ -198,11 +198,11 @@ def _merge_splits(o, m, l):
 
 
 def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *, sm_scale, sliding_window,
-                             soft_cap, interpret, pad_for_triton, pages_per_chunk, num_splits, num_warps,
-                             num_stages):
+                             soft_cap, interpret, pad_for_triton, tuning):
     """pallas_call of `paged_attention_kernel` over the (sequence, kv head, split) grid,
     inputs as `paged_attention` checked and cast them; pad_for_triton pads group and
-    head_dim."""
+    head_dim (and caps the tuning's chunk to Triton's shared memory); `tuning`, a
+    TritonTuning, sets the chunk, the splits and the launch."""
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -211,6 +211,10 @@ def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *,
     if pad_for_triton:
         group_rows = max(_TRITON_MIN_DIM, pl.next_power_of_2(group))
         head_dim_padded = max(_TRITON_MIN_DIM, pl.next_power_of_2(head_dim))
+        pages_per_chunk = tuning.pages_per_chunk(block_size, head_dim_padded, jnp.dtype(q.dtype).itemsize)
+    else:
+        pages_per_chunk = tuning.pages_per_chunk(block_size)
+    num_splits = tuning.num_splits(num_seqs, num_kv_heads, -(-max_blocks_per_seq // pages_per_chunk))
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - group), (0, head_dim_padded - head_dim)))
     # a chunk's table entries stay in bounds (the ones past the used blocks are not used)
@@ -241,7 +245,7 @@ def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         name="paged_attention_decode",
     )(tables, context_lens, qg, k_cache, v_cache)
     if num_splits > 1:
