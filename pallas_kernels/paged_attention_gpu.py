@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton_tuning import default_decode_tuning
+
 # Triton's tensors need power-of-two sizes and its dot needs each dimension >= 16.
 _TRITON_MIN_DIM = 16
 
@@ -148,7 +150,13 @@ def paged_attention_kernel(
             return view[...] if dim_mask is None else plgpu.load(view, mask=dim_mask, other=0)
     else:
         slot_index = jnp.arange(block_size)[None, :, None]
-        dim_index = jnp.minimum(jnp.arange(head_dim_padded), head_dim - 1)[None, None, :]
+        # a padded head_dim reads column head_dim - 1 again; an unpadded one (a power of
+        # two, e.g. 64 or 128) indexes with the bare range, which Triton sees as contiguous
+        # and loads 16 bytes at a time (behind a min() it loads element by element)
+        dim_index = jnp.arange(head_dim_padded)
+        if head_dim != head_dim_padded:
+            dim_index = jnp.minimum(dim_index, head_dim - 1)
+        dim_index = dim_index[None, None, :]
 
         def load_chunk(cache_ref, page0):  # [chunk, head_dim_padded], gathered through the table
             page_index = page0 + jnp.arange(pages_per_chunk)
@@ -202,7 +210,8 @@ def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *,
     """pallas_call of `paged_attention_kernel` over the (sequence, kv head, split) grid,
     inputs as `paged_attention` checked and cast them; pad_for_triton pads group and
     head_dim (and caps the tuning's chunk to Triton's shared memory); `tuning`, a
-    TritonTuning, sets the chunk, the splits and the launch."""
+    TritonTuning, sets the chunk, the splits and the launch (None: the default for the
+    padded head_dim and the dtype, triton_tuning.default_decode_tuning)."""
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks_per_seq = block_tables.shape[1]
@@ -211,8 +220,10 @@ def paged_attention_gpu_call(q, k_cache, v_cache, block_tables, context_lens, *,
     if pad_for_triton:
         group_rows = max(_TRITON_MIN_DIM, pl.next_power_of_2(group))
         head_dim_padded = max(_TRITON_MIN_DIM, pl.next_power_of_2(head_dim))
+        tuning = tuning or default_decode_tuning(head_dim_padded, jnp.dtype(q.dtype).itemsize)
         pages_per_chunk = tuning.pages_per_chunk(block_size, head_dim_padded, jnp.dtype(q.dtype).itemsize)
     else:
+        tuning = tuning or default_decode_tuning(head_dim, jnp.dtype(q.dtype).itemsize)
         pages_per_chunk = tuning.pages_per_chunk(block_size)
     num_splits = tuning.num_splits(num_seqs, num_kv_heads, -(-max_blocks_per_seq // pages_per_chunk))
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)

@@ -26,7 +26,7 @@ class TritonTuning:
     num_warps: int = 4  # warps per program
     num_stages: int = 2  # software-pipelining depth of the loop's loads
     # decode kernel only: programs per (sequence, kv head), each over a share of its blocks,
-    # merged afterwards; 0 = enough to give the GPU about TARGET_PROGRAMS programs
+    # merged afterwards; 0 = enough to give the GPU about TARGET_PROGRAMS programs (a power of two)
     kv_splits: int = 0
 
     def __post_init__(self):
@@ -52,12 +52,13 @@ class TritonTuning:
         return max(1, tokens // block_size)
 
     def num_splits(self, num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
-        """Decode programs per (sequence, kv head): kv_splits, or (auto) enough for about
-        TARGET_PROGRAMS programs, at most MAX_AUTO_SPLITS and one per chunk a sequence can have."""
+        """Decode programs per (sequence, kv head): kv_splits, or (auto) the power of two
+        that gives at least TARGET_PROGRAMS programs, at most MAX_AUTO_SPLITS and one per
+        chunk a sequence can have."""
         if self.kv_splits:
             return self.kv_splits
         wanted = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
-        return max(1, min(wanted, MAX_AUTO_SPLITS, max_chunks))
+        return max(1, min(1 << (wanted - 1).bit_length(), MAX_AUTO_SPLITS, max_chunks))
 
     def label(self) -> str:
         return (f"c{self.chunk_tokens}-r{self.query_rows}-w{self.num_warps}-s{self.num_stages}"
@@ -98,15 +99,42 @@ def max_chunk_tokens(head_dim: int, itemsize: int, num_stages: int) -> int:
 TARGET_PROGRAMS = 256
 MAX_AUTO_SPLITS = 16
 
-# Measured on an NVIDIA H200, bf16, blocks of 16, SmolLM2's 9/3 x 64 heads and Llama-8B's
-# 32/8 x 128 (`bash experiments/gpu_check.sh h200`, record bench_kernel_h200_tunings).
-# Decode, 64 sequences x 2048 tokens: 128 keys per step on 4 warps 0.256 / 0.082 ms, 64 keys
-# 0.323 / 0.086, 8 warps with 3 stages 0.362 / 0.100 (256 keys on 4 warps: 3.15 ms at 128
-# dims, registers spill). At 16 sequences x 8 KV heads (128 programs) the auto split (2)
-# took 0.083 ms against 0.122 with one split.
-DEFAULT_DECODE_TUNING = TritonTuning(chunk_tokens=128)
-# Prefill chunks of 4 x 512 tokens at context 2048: 64-row query tiles read each block 4x
-# less often than 16-row ones (0.55 vs 1.42 ms at 32/8 heads, 0.20 vs 0.33 ms at 9/3).
-# 128-row tiles were 8-16% faster still on these pure prefills; not the default, since
-# a mixed step's decode rows fill tiles of their own (one token each) in the same launch.
+# Measured on an NVIDIA H200, bf16, blocks of 16, Llama-8B's 32/8 x 128 and SmolLM2's 9/3 x
+# 64 heads, 16 and 64 sequences x 1024 and 4096 tokens, the decode kernel alone, ms, calls
+# chained on the device one per loop trip (`STAGES=2c bash experiments/gpu_check.sh h200`, record
+# bench_kernel_h200_decode_sweep; one config timed twice differed by 0.2% at 0.37 ms and
+# by up to 3.5% under 0.1 ms). 128 keys per step beat 64 on 7 of 8 batches (64 x 4096 x
+# 32/8: 0.368 vs 0.539; 64 x 1024 x 9/3: 0.033 vs 0.037; not 16 x 1024 x 9/3: 0.021 vs
+# 0.017) and 32 (at 4 stages) on 7 of 8. A third pipelining stage took 128-key chunks
+# faster on 6 of 8 (64 x 4096 x 32/8 0.368 -> 0.345, 74% of the 4.2 TB/s copy bandwidth;
+# 64 x 1024 x 32/8 0.111 -> 0.105; 16 x 1024 x 9/3 0.021 -> 0.017), 2% slower on the
+# other two; 8 warps did not help (0.375). Splits: where the batch gives 128 or 192
+# programs (16 x 8 or 64 x 3 kv heads) 2 splits beat 1 and 4 (16 x 4096 x 32/8: 0.137 /
+# 0.106 / 0.109; 64 x 1024 x 9/3: 0.043 / 0.033 / 0.037); at 48 programs (16 x 3) the
+# auto split's 6 lost to 8 (16 x 4096: 0.038 vs 0.036; 16 x 1024: 0.021 vs 0.017, where 6
+# splits of 8 chunks leave 2 empty and 4 took 0.018), so auto rounds up to a power of two.
+# The rerun with these defaults (`bash experiments/gpu_check.sh h200`, calls 10 per loop
+# trip): 64 x 4096 x 32/8 0.350 ms, 72% of 4.24 TB/s (record bench_kernel_h200); at 16 x
+# 2048 (bench_kernel_h200_tunings) 3 stages with 8 splits 0.0214 ms at 9/3 against 0.0215
+# with 2 stages and 0.0224 for the former default's 6 splits, and at 32/8 3 stages 0.0671
+# against 2 stages' 0.0644-0.0653 (2 splits).
+DEFAULT_DECODE_TUNING = TritonTuning(chunk_tokens=128, num_stages=3)
+
+
+def default_decode_tuning(head_dim: int, itemsize: int) -> TritonTuning:
+    """DEFAULT_DECODE_TUNING where its 3 stages fit its chunk in SMEM_BUDGET (bf16 up to
+    128 dims), else the same with 2 stages (f32; 256 dims): a third stage is not worth a
+    chunk cut down (unmeasured; 64-key chunks lost to 128 at 2 stages above)."""
+    tuning = DEFAULT_DECODE_TUNING
+    if max_chunk_tokens(head_dim, itemsize, tuning.num_stages) < tuning.chunk_tokens:
+        tuning = dataclasses.replace(tuning, num_stages=2)
+    return tuning
+
+
+# Prefill chunks of 4 x 512 tokens at context 2048 on the H200 (`bash experiments/gpu_check.sh
+# h200`, record bench_kernel_h200_tunings, 2 of its batches): 64-row query tiles read each
+# block 4x less often than 16-row ones (0.516 vs 1.360 ms at 32/8 heads, 0.142 vs 0.301 ms
+# at 9/3); a third stage changed nothing (0.516, 0.142). 128-row tiles: 0.444 ms at 32/8,
+# 0.153 at 9/3; not the default, since a mixed step's decode rows fill tiles of their own
+# (one token each) in the same launch.
 DEFAULT_RAGGED_TUNING = TritonTuning(chunk_tokens=64, query_rows=64)

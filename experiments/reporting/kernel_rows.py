@@ -22,6 +22,33 @@ def _batches(points) -> str:
                      for p in points)
 
 
+def _short_label(name: str) -> str:
+    """'paged_attention@c128-r16-w4-s2-k8' -> 'c128-k8' (TritonTuning's field defaults left out),
+    'paged_attention' -> 'default'."""
+    if "@" not in name:
+        return "default"
+    return "-".join(part for part in name.split("@")[1].split("-") if part not in ("w4", "s2") and part[0] != "r")
+
+
+def _incomplete_note(record: dict) -> str:
+    """For a run cut short by its time limit (bench_kernel writes after each batch): how many
+    batches of the flags' grid it has."""
+    fig, flags = record["figures"], record.get("flags", {})
+    if not fig.get("incomplete"):
+        return ""
+    grid = 1
+    for name in ("block_size", "num_seqs", "context_len", "num_heads", "dtype"):
+        grid *= len(flags.get(name) or [None])
+    return f"; cut short by its time limit: {len(fig['points'])} of {grid} batches"
+
+
+def _timing_note(record: dict) -> str:
+    """For a GPU record timed before calls were chained on the device (no figures.timing)."""
+    if "timing" not in record["figures"]:
+        return "; calls dispatched one by one from Python, dense attention over token-major K/V"
+    return ""
+
+
 def bench_kernel(record: dict) -> list:
     fig = record["figures"]
     points = fig["points"]
@@ -31,7 +58,7 @@ def bench_kernel(record: dict) -> list:
                  _join((p["ragged_paged_attention_over_reference"] for p in points), "{:.2f}", ", ")
                  + _cpu_note(record))]
     bandwidth = fig["ceilings"]["memory"]["GB_per_s"]
-    note = _cpu_note(record)
+    note = _cpu_note(record) + _timing_note(record) + _incomplete_note(record)
     rows = [((f"paged decode kernel / dense attention over contiguous K/V, {_shape(points)}, sequences x context: "
               f"{_batches(points)}"),
              _join((p.get("paged_attention_over_dense", "error") for p in points), "{}", ", ") + note),
@@ -43,6 +70,15 @@ def bench_kernel(record: dict) -> list:
                      "batches",
                      _join((round(p["jax_upstream_paged_attention"]["ms"] / p["paged_attention"]["ms"], 2)
                             for p in points), "{}", ", ") + note))
+    if fig.get("tunings"):  # a sweep: the decode kernel's fastest launch per batch
+        def fastest(p):
+            ours = {k: v for k, v in p.items() if (k == "paged_attention" or k.startswith("paged_attention@"))
+                    and isinstance(v, dict) and "ms" in v}
+            best = min(ours, key=lambda k: ours[k]["ms"])
+            default = p["paged_attention"].get("ms")
+            return f"{_short_label(best)} {ours[best]['ms']:.4f} ({'error' if default is None else f'{default:.4f}'})"
+        rows.append(("paged decode kernel's fastest TritonTuning per batch, ms (the default's ms), same batches",
+                     _join((fastest(p) for p in points), "{}", ", ") + note))
     # bench_kernel times the prefill batch once per decode point: the first of each shape
     shapes = {(p["num_seqs"], p["q_len"], p["context_len"], p["num_heads"], p["num_kv_heads"]): p
               for p in reversed(fig.get("prefill_points") or [])}

@@ -10,6 +10,11 @@ depths, chunks too large for shared memory (cut down). The decode kernel's gathe
 split paths also run unpadded on the "cpu" backend.
 """
 
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
 import pytest
 from tests.helpers.kernel_cases import assert_matches_ragged_reference, case_id, ragged_args
 from tests.helpers.kernel_cases import mode as _mode
@@ -21,7 +26,7 @@ from test_ragged_paged_attention_kernel import _ragged_case
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.triton_tuning import (DEFAULT_DECODE_TUNING, DEFAULT_RAGGED_TUNING, MAX_AUTO_SPLITS,
-                                          TARGET_PROGRAMS, TritonTuning, max_chunk_tokens)
+                                          TARGET_PROGRAMS, TritonTuning, default_decode_tuning, max_chunk_tokens)
 
 _TUNINGS = [TritonTuning(chunk_tokens=16, kv_splits=1), TritonTuning(chunk_tokens=128, num_warps=8, num_stages=3),
             TritonTuning(chunk_tokens=256, query_rows=64, kv_splits=3),
@@ -78,13 +83,48 @@ def test_chunks_are_cut_to_fit_shared_memory():
     assert big.pages_per_chunk(16, 128, 2) == 16 and big.pages_per_chunk(16, 128, 4) == 4
 
 
-def test_auto_splits_aim_at_the_target_and_never_past_the_chunks():
+def test_auto_splits_aim_at_the_target_in_powers_of_two_and_never_past_the_chunks():
     auto = TritonTuning()
+    assert TARGET_PROGRAMS == 256 and MAX_AUTO_SPLITS == 16  # the numbers below follow from these
     assert auto.num_splits(num_seqs=64, num_kv_heads=8, max_chunks=32) == 1  # 512 programs already
-    assert auto.num_splits(num_seqs=16, num_kv_heads=8, max_chunks=32) == -(-TARGET_PROGRAMS // 128)
-    assert auto.num_splits(num_seqs=1, num_kv_heads=1, max_chunks=1000) == MAX_AUTO_SPLITS
+    assert auto.num_splits(num_seqs=16, num_kv_heads=8, max_chunks=32) == 2  # 128 programs
+    assert auto.num_splits(num_seqs=64, num_kv_heads=3, max_chunks=32) == 2  # 192: 256 / 192 rounds up to 2
+    # 48 programs: 256 / 48 = 5.3, and not 6 (the H200 sweep: 8 splits were faster) but 8
+    assert auto.num_splits(num_seqs=16, num_kv_heads=3, max_chunks=32) == 8
+    assert auto.num_splits(num_seqs=5, num_kv_heads=1, max_chunks=1000) == MAX_AUTO_SPLITS  # 52 -> 64, capped
     assert auto.num_splits(num_seqs=1, num_kv_heads=1, max_chunks=3) == 3
     assert TritonTuning(kv_splits=5).num_splits(num_seqs=64, num_kv_heads=8, max_chunks=2) == 5
+
+
+def test_default_decode_tuning_takes_three_stages_where_they_fit_the_chunk():
+    assert DEFAULT_DECODE_TUNING == TritonTuning(chunk_tokens=128, num_stages=3)
+    for head_dim in (64, 128):  # bf16: 128 keys fit at 3 stages
+        assert default_decode_tuning(head_dim, 2) == DEFAULT_DECODE_TUNING
+    two_stages = TritonTuning(chunk_tokens=128, num_stages=2)
+    # f32 at 3 stages would cut 128 keys to 32 (64 dims) or 32 (128 dims); bf16 x 256 dims to 64
+    assert default_decode_tuning(64, 4) == two_stages and default_decode_tuning(128, 4) == two_stages
+    assert default_decode_tuning(256, 2) == two_stages
+    assert default_decode_tuning(128, 4).pages_per_chunk(16, 128, 4) == 4  # and 2 stages cut it to 64, as before
+
+
+def _triton_launch(dtype, num_seqs, num_kv_heads, head_dim, max_blocks, **kwargs):
+    """num_stages and grid_z (splits) of the Triton call paged_attention lowers to for a CUDA GPU."""
+    spec = jax.ShapeDtypeStruct
+    cache = spec((num_seqs * max_blocks + 1, 16, num_kv_heads, head_dim), dtype)
+    args = (spec((num_seqs, 3 * num_kv_heads, head_dim), dtype), cache, cache, spec((num_seqs, max_blocks), jnp.int32),
+            spec((num_seqs,), jnp.int32))
+    fn = functools.partial(paged_attention, backend="gpu", interpret=False, **kwargs)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    return [int(re.search(rf"{key} = (\d+) : i32", text).group(1)) for key in ("num_stages", "grid_z")]
+
+
+def test_the_gpu_kernel_launches_with_the_default_rule_unless_given_a_tuning():
+    # 16 x 3 kv heads over 64 blocks: 8 chunks of 128 keys, 8 splits; 3 stages in bf16, 2 in f32
+    assert _triton_launch(jnp.bfloat16, 16, 3, 64, 64) == [3, 8]
+    assert _triton_launch(jnp.float32, 16, 3, 64, 64) == [2, 8]
+    assert _triton_launch(jnp.bfloat16, 64, 8, 128, 64) == [3, 1]
+    assert _triton_launch(jnp.bfloat16, 16, 3, 64, 64, tuning=TritonTuning(num_stages=4, kv_splits=3)) == [4, 3]
 
 
 @pytest.mark.parametrize("fields,message", [
