@@ -7,11 +7,16 @@
 // (cpu_kernels/amx_matmul.py packs them when the runner starts), so a step reads each
 // weight once, straight into the tile registers.
 //
-// Contract:
+// Contract (two targets):
 //   x    bf16[M, K]   M % 16 == 0, K % 32 == 0 (the wrapper pads rows)
-//   w    bf16[N / 16, K / 32, 16, 32]: B tiles, w[nb, kb, r, 2c + p] = W[32 kb + 2 r + p, 16 nb + c]
+//   w_i  bf16[N_i / 16, K / 32, 16, 32]: B tiles, w[nb, kb, r, 2c + p] = W[32 kb + 2 r + p, 16 nb + c]
 //        for W [K, N] (the pairs of K rows interleaved, as TDPBF16PS takes them)
-//   out  f32[M, N] = x @ W, accumulated in f32.
+//   AmxMatmulBF16: 1 to 4 weights -> out_i f32[M, N_i] = x @ W_i, accumulated in f32. Several
+//        weights of one input (q, k and v) are one call: one wake-up of the threads, one
+//        pass of x through their caches.
+//   AmxSwigluBF16: w_gate, w_up of one shape -> bf16[M, N] = silu(x @ W_gate) * (x @ W_up),
+//        the f32 products combined in registers and rounded to bf16 once (the down
+//        projection's input dtype), instead of two f32 [M, N] arrays through memory.
 // Work items are (a panel of up to 128 rows, a pair of 16-column blocks), taken by XLA's intra-op
 // threads and the caller; each thread configures its tiles (8 tiles: 4 of C, 2 of A, 2 of B)
 // and releases them when done. Built only where the compiler targets AMX (-march=native on
@@ -29,6 +34,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
+
+#include "attention_vectors.h"  // exp_nonpositive16
 #include <unistd.h>
 #endif
 
@@ -58,11 +65,22 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// One weight matrix of a call: its packed tiles, its columns, where its product goes.
+struct Part {
+  const uint16_t* w = nullptr;
+  int64_t N = 0, pairs = 0;  // pairs: its items per row panel (column pairs, or one column block for SwiGLU)
+  float* out = nullptr;
+};
+
+constexpr int kMaxParts = 4;
+
 struct Work {
   const uint16_t* x;
-  const uint16_t* w;
-  float* out;
-  int64_t M, K, N;
+  int64_t M, K;
+  Part parts[kMaxParts];
+  int num_parts = 0;
+  int64_t pairs = 0;  // items per row panel, over every part
+  uint16_t* swiglu_out = nullptr;  // SwiGLU: bf16[M, N] = silu(x @ gate) * (x @ up), parts[0] = gate, [1] = up
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
 };
@@ -73,8 +91,6 @@ struct Work {
 // matrices from DRAM: 10-15% faster with 2-4 tiles ahead, no change at 1024 rows).
 constexpr int64_t kPrefetchTiles = 4;
 
-// Output columns [32 item, 32 item + 32) for rows [m_begin, m_end), 32 rows at a time: C tiles 0..3 =
-// (rows 0-15, 16-31) x (columns 0-15, 16-31); A tiles 4, 5; B tiles 6, 7.
 // Rows per work item: an item is (a panel of kPanelRows rows, a column pair), panel-major,
 // so the threads sweep every column pair against one panel of x while it sits in their
 // L2, instead of every item streaming all of x (3 MB for a 1024-row down projection) from
@@ -82,12 +98,25 @@ constexpr int64_t kPrefetchTiles = 4;
 // 149 -> 133 ms; 64 and 256 rows per panel measured about the same as 128).
 constexpr int64_t kPanelRows = 128;
 
-void column_pair(const Work& p, int64_t item, int64_t m_begin, int64_t m_end) {
-  const int64_t kb_count = p.K / 32, nb0 = 2 * item;
-  const bool two_n = (nb0 + 1) * 16 < p.N;
-  const uint16_t* b0 = p.w + nb0 * kb_count * 512;
-  const uint16_t* b1 = b0 + kb_count * 512;
-  const int64_t x_stride = p.K * 2, out_stride = p.N * 4;
+// silu(g) * u, 16 lanes: g * sigmoid(g) * u, the sigmoid from e = exp(-|g|) <= 1 (1 / (1 + e)
+// for g >= 0, e / (1 + e) below), so nothing overflows; the same order of products as
+// jax.nn.silu(g) * u.
+inline __m512 silu_times(__m512 g, __m512 u) {
+  const __m512 e = paged_jax_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
+  return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+// x [rows m_begin..m_end) @ the two 16-column B blocks b0 (and b1 unless null), 32 rows at a
+// time: C tiles 0..3 = (rows 0-15, 16-31) x (b0, b1); A tiles 4, 5; B tiles 6, 7. Each 32-row
+// step's tiles go to `store(m, rows_in_step, two_n)`, which reads them back from the tiles.
+template <typename Store>
+void column_pair(const Work& p, const uint16_t* b0, const uint16_t* b1, int64_t m_begin, int64_t m_end,
+                 const Store& store) {
+  const int64_t kb_count = p.K / 32, x_stride = p.K * 2;
+  const bool two_n = b1 != nullptr;
   for (int64_t m = m_begin; m < m_end; m += 32) {
     const bool two_m = m + 16 < m_end;
     _tile_zero(0);
@@ -99,7 +128,7 @@ void column_pair(const Work& p, int64_t item, int64_t m_begin, int64_t m_end) {
     for (int64_t kb = 0; kb < kb_count; ++kb) {
       if (m == m_begin && kb + kPrefetchTiles < kb_count) {  // the weights' first pass streams them from memory
         const char* n0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
-        const char* n1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
+        const char* n1 = two_n ? reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512) : nullptr;
         for (int o = 0; o < 1024; o += 64) {
           asm volatile("prefetcht0 %0" : : "m"(n0[o]));
           if (two_n) asm volatile("prefetcht0 %0" : : "m"(n1[o]));
@@ -118,55 +147,144 @@ void column_pair(const Work& p, int64_t item, int64_t m_begin, int64_t m_end) {
         if (two_n) _tile_dpbf16ps(3, 5, 7);
       }
     }
-    float* c = p.out + m * p.N + nb0 * 16;
+    store(m, two_m, two_n);
+  }
+}
+
+// Item i of a plain call: output columns [32 pair, 32 pair + 32) of part `part`, f32.
+void plain_item(const Work& p, const Part& part, int64_t pair, int64_t m_begin, int64_t m_end) {
+  const int64_t kb_count = p.K / 32, nb0 = 2 * pair;
+  const uint16_t* b0 = part.w + nb0 * kb_count * 512;
+  const uint16_t* b1 = (nb0 + 1) * 16 < part.N ? b0 + kb_count * 512 : nullptr;
+  const int64_t out_stride = part.N * 4;
+  column_pair(p, b0, b1, m_begin, m_end, [&](int64_t m, bool two_m, bool two_n) {
+    float* c = part.out + m * part.N + nb0 * 16;
     _tile_stored(0, c, out_stride);
     if (two_n) _tile_stored(1, c + 16, out_stride);
     if (two_m) {
-      _tile_stored(2, c + 16 * p.N, out_stride);
-      if (two_n) _tile_stored(3, c + 16 * p.N + 16, out_stride);
+      _tile_stored(2, c + 16 * part.N, out_stride);
+      if (two_n) _tile_stored(3, c + 16 * part.N + 16, out_stride);
     }
-  }
+  });
+}
+
+// Item of a SwiGLU call: bf16 output columns [16 block, 16 block + 16) = silu(gate) * up,
+// the gate's and the up projection's column block side by side in the C tiles; the f32
+// products never leave the thread (before: two f32 [M, N] arrays written, read back and
+// multiplied by XLA, then rounded to bf16 for the down projection).
+void swiglu_item(const Work& p, int64_t block, int64_t m_begin, int64_t m_end) {
+  const int64_t kb_count = p.K / 32, N = p.parts[0].N;
+  const uint16_t* gate = p.parts[0].w + block * kb_count * 512;
+  const uint16_t* up = p.parts[1].w + block * kb_count * 512;
+  alignas(64) float c[4][16][16];
+  column_pair(p, gate, up, m_begin, m_end, [&](int64_t m, bool two_m, bool) {
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (two_m) {
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+    }
+    const int rows = two_m ? 32 : 16;
+    for (int r = 0; r < rows; ++r) {
+      const int half = r / 16, row = r % 16;
+      const __m512 h = silu_times(_mm512_load_ps(c[2 * half][row]), _mm512_load_ps(c[2 * half + 1][row]));
+      const __m256bh packed = _mm512_cvtneps_pbh(h);  // round to nearest even, as XLA's convert
+      std::memcpy(p.swiglu_out + (m + r) * N + block * 16, &packed, 32);
+    }
+  });
 }
 
 void drain(Work& work) {
   work.active.fetch_add(1);
-  const int64_t pairs = (work.N / 16 + 1) / 2, panels = (work.M + kPanelRows - 1) / kPanelRows;
-  const int64_t items = pairs * panels;
+  const int64_t panels = (work.M + kPanelRows - 1) / kPanelRows, items = work.pairs * panels;
   int64_t i = work.next.fetch_add(1);
   if (i < items) {
     configure_tiles();
     for (; i < items; i = work.next.fetch_add(1)) {
-      const int64_t panel = i / pairs, m0 = panel * kPanelRows;
-      column_pair(work, i % pairs, m0, std::min<int64_t>(work.M, m0 + kPanelRows));
+      const int64_t panel = i / work.pairs, m0 = panel * kPanelRows, m1 = std::min<int64_t>(work.M, m0 + kPanelRows);
+      int64_t pair = i % work.pairs;
+      if (work.swiglu_out) {
+        swiglu_item(work, pair, m0, m1);
+        continue;
+      }
+      int part = 0;
+      while (pair >= work.parts[part].pairs) pair -= work.parts[part++].pairs;
+      plain_item(work, work.parts[part], pair, m0, m1);
     }
     _tile_release();
   }
   work.active.fetch_sub(1);
 }
 
-ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                       ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || xd[1] != wd[1] * 32 || xd[0] % 16)
-    return ffi::Error::InvalidArgument("x [M, K] (M % 16 == 0) and packed w [N/16, K/32, 16, 32]");
-  if (!amx_permitted()) return ffi::Error::Internal("the kernel refused the AMX tile state (arch_prctl)");
-  auto work = std::make_shared<Work>();
-  work->x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  work->w = reinterpret_cast<const uint16_t*>(w.typed_data());
-  work->out = out->typed_data();
-  work->M = xd[0], work->K = xd[1], work->N = wd[0] * 16;
-  if (work->M == 0 || work->N == 0) return ffi::Error::Success();
-  const int64_t items = (work->N / 16 + 1) / 2 * ((work->M + kPanelRows - 1) / kPanelRows);
+void run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
+  const int64_t items = work->pairs * ((work->M + kPanelRows - 1) / kPanelRows);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain(*work); });
   drain(*work);
   while (work->active.load() > 0 || work->next.load() < items) std::this_thread::yield();
+}
+
+// x and the packed weights, checked; the Work's parts get their weights and columns.
+ffi::Error prepare(Work& work, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs weights) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] % 16 || xd[1] % 32) return ffi::Error::InvalidArgument("x [M, K], M % 16 == 0, K % 32 == 0");
+  if (weights.size() < 1 || weights.size() > kMaxParts) return ffi::Error::InvalidArgument("1 to 4 weight matrices");
+  if (!amx_permitted()) return ffi::Error::Internal("the kernel refused the AMX tile state (arch_prctl)");
+  work.x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  work.M = xd[0], work.K = xd[1];
+  work.num_parts = static_cast<int>(weights.size());
+  for (int i = 0; i < work.num_parts; ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::BF16>>(i);
+    if (!w.has_value()) return ffi::Error::InvalidArgument("weights must be bf16 buffers");
+    const auto wd = w->dimensions();
+    if (wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || wd[1] * 32 != work.K)
+      return ffi::Error::InvalidArgument("packed weights bf16 [N/16, K/32, 16, 32] with x's K");
+    work.parts[i].w = reinterpret_cast<const uint16_t*>(w->typed_data());
+    work.parts[i].N = wd[0] * 16;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs weights,
+                       ffi::RemainingRets outs) {
+  auto work = std::make_shared<Work>();
+  if (auto error = prepare(*work, x, weights); error.failure()) return error;
+  if (outs.size() != weights.size()) return ffi::Error::InvalidArgument("one f32 output per weight matrix");
+  for (int i = 0; i < work->num_parts; ++i) {
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!out.has_value()) return ffi::Error::InvalidArgument("outputs must be f32 buffers");
+    Part& part = work->parts[i];
+    const auto od = (*out)->dimensions();
+    if (od.size() != 2 || od[0] != work->M || od[1] != part.N) return ffi::Error::InvalidArgument("output i is f32[M, N_i]");
+    part.out = (*out)->typed_data();
+    part.pairs = (part.N / 16 + 1) / 2;
+    work->pairs += part.pairs;
+  }
+  if (work->M > 0 && work->pairs > 0) run(pool, work);
+  return ffi::Error::Success();
+}
+
+ffi::Error swiglu_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs weights,
+                       ffi::ResultBuffer<ffi::BF16> out) {
+  auto work = std::make_shared<Work>();
+  if (auto error = prepare(*work, x, weights); error.failure()) return error;
+  if (work->num_parts != 2 || work->parts[0].N != work->parts[1].N)
+    return ffi::Error::InvalidArgument("SwiGLU takes two weight matrices of one shape (gate, up)");
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != work->M || od[1] != work->parts[0].N) return ffi::Error::InvalidArgument("out bf16[M, N]");
+  work->swiglu_out = reinterpret_cast<uint16_t*>(out->typed_data());
+  work->pairs = work->parts[0].N / 16;
+  if (work->M > 0 && work->pairs > 0) run(pool, work);
   return ffi::Error::Success();
 }
 
 #else  // no AMX in this build: the Python side checks `amx_matmul_supported` first
 
-ffi::Error matmul_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>) {
+ffi::Error matmul_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error::Internal("built without AMX (the compiler does not target amx-tile / amx-bf16)");
+}
+
+ffi::Error swiglu_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::RemainingArgs, ffi::ResultBuffer<ffi::BF16>) {
   return ffi::Error::Internal("built without AMX (the compiler does not target amx-tile / amx-bf16)");
 }
 
@@ -187,5 +305,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxMatmulBF16, matmul_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxSwigluBF16, swiglu_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

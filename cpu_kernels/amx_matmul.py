@@ -2,7 +2,9 @@
 
 `pack_weights(w)` turns a [K, N] weight matrix into the tile layout the kernel reads
 (bf16[N / 16, K / 32, 16, 32]); `amx_matmul(x, packed)` is x @ w accumulated in f32, for x
-of any float dtype and leading shape. `supported()` is True only where the kernels build
+of any float dtype and leading shape; `amx_matmul_many(x, packed...)` is several products of
+one x in one call (q, k, v); `amx_swiglu(x, gate, up)` is silu(x @ gate) * (x @ up) rounded
+to bf16, the MLP's first half in one call. `supported()` is True only where the kernels build
 with AMX, the CPU has it and the OS grants the tile state; `packable(w)` where the shape
 fits the tiles (K % 32 == 0, N % 16 == 0).
 """
@@ -40,18 +42,44 @@ def pack_weights(w):
     return tiles.transpose(3, 0, 1, 4, 2).reshape(n // 16, k // 32, 16, 32)
 
 
-def amx_matmul(x, packed):
-    """x [..., K] @ W -> f32[..., N] for `packed = pack_weights(W)`; x is rounded to bf16."""
-    nb, kb, r, c = packed.shape
-    if (r, c) != (16, 32) or x.shape[-1] != kb * 32 or packed.dtype != jnp.bfloat16:
-        raise ValueError(f"x [..., {kb * 32}] and packed bf16 [N/16, K/32, 16, 32], got {x.shape}, {packed.shape}")
+def _rows(x, packed):
+    """x [..., K] as bf16 rows [M padded to 16, K], checked against the packed weights."""
+    for w in packed:
+        nb, kb, r, c = w.shape
+        if (r, c) != (16, 32) or x.shape[-1] != kb * 32 or w.dtype != jnp.bfloat16:
+            raise ValueError(f"x [..., {kb * 32}] and packed bf16 [N/16, K/32, 16, 32], got {x.shape}, {w.shape}")
     build.register()
-    lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     m = rows.shape[0]
     padded = -(-m // 16) * 16
     if padded != m:
         rows = jnp.pad(rows, ((0, padded - m), (0, 0)))
-    call = jax.ffi.ffi_call("paged_jax_amx_matmul_bf16", jax.ShapeDtypeStruct((padded, nb * 16), jnp.float32),
-                            vmap_method="sequential")
-    return call(rows, packed)[:m].reshape(*lead, nb * 16)
+    return rows, m
+
+
+def amx_matmul_many(x, *packed):
+    """x [..., K] @ W_i -> a tuple of f32[..., N_i], one per `pack_weights(W_i)` (1 to 4), in one
+    call; x is rounded to bf16."""
+    if not 1 <= len(packed) <= 4:
+        raise ValueError(f"amx_matmul_many takes 1 to 4 packed weights, got {len(packed)}")
+    rows, m = _rows(x, packed)
+    shapes = [jax.ShapeDtypeStruct((rows.shape[0], w.shape[0] * 16), jnp.float32) for w in packed]
+    outs = jax.ffi.ffi_call("paged_jax_amx_matmul_bf16", shapes, vmap_method="sequential")(rows, *packed)
+    return tuple(out[:m].reshape(*x.shape[:-1], out.shape[1]) for out in outs)
+
+
+def amx_matmul(x, packed):
+    """x [..., K] @ W -> f32[..., N] for `packed = pack_weights(W)`; x is rounded to bf16."""
+    return amx_matmul_many(x, packed)[0]
+
+
+def amx_swiglu(x, gate, up):
+    """silu(x [..., K] @ W_gate) * (x @ W_up) -> bf16[..., N], for `gate`, `up` =
+    pack_weights of two [K, N] matrices: the products stay f32 inside the kernel and are
+    rounded to bf16 once (what the down projection reads). x is rounded to bf16."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must be packed from matrices of one shape, got {gate.shape}, {up.shape}")
+    rows, m = _rows(x, (gate, up))
+    shape = jax.ShapeDtypeStruct((rows.shape[0], gate.shape[0] * 16), jnp.bfloat16)
+    out = jax.ffi.ffi_call("paged_jax_amx_swiglu_bf16", shape, vmap_method="sequential")(rows, gate, up)
+    return out[:m].reshape(*x.shape[:-1], out.shape[1])

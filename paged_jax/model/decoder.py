@@ -101,6 +101,28 @@ def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
+def dense_many(x: jnp.ndarray, *ws: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """(dense(x, w) for w in ws): under the "amx_tiles" layout one native call for all of
+    them (q, k and v: one wake-up of the kernel's threads instead of three, a 64-row decode
+    step makes 90 fewer calls on SmolLM2); elsewhere separate dots, as before."""
+    if _WEIGHT_LAYOUT.get() == "amx_tiles":
+        from cpu_kernels.amx_matmul import amx_matmul_many
+        return amx_matmul_many(x, *ws)
+    return tuple(dense(x, w) for w in ws)
+
+
+def swiglu(x: jnp.ndarray, w_gate: jnp.ndarray, w_up: jnp.ndarray) -> jnp.ndarray:
+    """silu(x @ w_gate) * (x @ w_up), the SwiGLU MLP's first half. Under the "amx_tiles"
+    layout one native call that keeps both f32 products in registers and returns them
+    combined in bf16, the dtype the down projection's kernel reads (XLA otherwise writes
+    two f32 [tokens, intermediate] arrays and reads them back: 12.6 MB each per layer in a
+    1024-token SmolLM2 prefill chunk); elsewhere in float32 from `dense`, as before."""
+    if _WEIGHT_LAYOUT.get() == "amx_tiles":
+        from cpu_kernels.amx_matmul import amx_swiglu
+        return amx_swiglu(x, w_gate, w_up)
+    return jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)
+
+
 def new_param(name: str, shape: tuple, rngs: nnx.Rngs, dtype) -> nnx.Param:
     """A Param initialised by the layout's rule for `name` (the same as `init_params`)."""
     return nnx.Param(init_leaf(name, rngs.params(), shape, dtype))
@@ -146,13 +168,13 @@ class DecoderLayer(nnx.Module):
         return rms_norm(x, weight[...], self.cfg.rms_norm_eps)
 
     def mlp(self, x: jnp.ndarray) -> jnp.ndarray:
-        return dense(jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...]), self.w_down[...])
+        return dense(swiglu(x, self.w_gate[...], self.w_up[...]), self.w_down[...])
 
     def attention(self, x, cos, sin, kv_cache, layer, metadata, attention_fn: AttentionFn):
         """Project, rotate, attend through `attention_fn` (which writes this layer's K/V), project back."""
         cfg = self.cfg
         tok_shape = x.shape[:-1]
-        q, k, v = dense(x, self.wq[...]), dense(x, self.wk[...]), dense(x, self.wv[...])
+        q, k, v = dense_many(x, self.wq[...], self.wk[...], self.wv[...])
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(*tok_shape, cfg.num_heads, cfg.head_dim)

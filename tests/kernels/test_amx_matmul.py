@@ -55,6 +55,48 @@ def test_matches_xla_dot(rows, k, n):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
+def test_several_weights_in_one_call_match_xla_dots():
+    if not HAS_AMX_CPU:
+        assert not amx_matmul.supported()
+        return
+    rng = np.random.default_rng(3)
+    # q, k, v-like widths; 208 columns is an odd number of 16-column blocks (a lone last block)
+    ws = [jnp.asarray(rng.standard_normal((96, n)), jnp.bfloat16) for n in (64, 32, 208)]
+    x = jnp.asarray(rng.standard_normal((3, 37, 96)), jnp.float32)
+    got = jax.jit(amx_matmul.amx_matmul_many)(x, *[amx_matmul.pack_weights(w) for w in ws])
+    assert len(got) == 3
+    for w, out in zip(ws, got):
+        want = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        assert out.shape == want.shape and out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4 * np.sqrt(96))
+
+
+@pytest.mark.parametrize("rows", [1, 45, 300])
+def test_swiglu_matches_silu_of_gate_times_up_in_bf16(rows):
+    if not HAS_AMX_CPU:
+        assert not amx_matmul.supported()
+        return
+    rng = np.random.default_rng(rows)
+    gate, up = (jnp.asarray(rng.standard_normal((64, 80)) * 0.3, jnp.bfloat16) for _ in range(2))
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    got = jax.jit(amx_matmul.amx_swiglu)(x, amx_matmul.pack_weights(gate), amx_matmul.pack_weights(up))
+    xb = x.astype(jnp.bfloat16)
+    g = jnp.dot(xb, gate, preferred_element_type=jnp.float32)
+    want = jax.nn.silu(g) * jnp.dot(xb, up, preferred_element_type=jnp.float32)
+    assert got.shape == (rows, 80) and got.dtype == jnp.bfloat16
+    assert float(jnp.min(g)) < -2 and float(jnp.max(g)) > 2  # both branches of the sigmoid ran
+    # one rounding to bf16 of the same f32 value, up to the products' summation order and the
+    # exp's last bits: at most one bf16 step (2**-8 relative) apart
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2 ** -8, atol=1e-3)
+
+
+def test_swiglu_refuses_gate_and_up_of_different_shapes():
+    gate = amx_matmul.pack_weights(jnp.zeros((64, 32), jnp.bfloat16))
+    up = amx_matmul.pack_weights(jnp.zeros((64, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="one shape"):
+        amx_matmul.amx_swiglu(jnp.zeros((4, 64)), gate, up)
+
+
 def _runner(model, **settings):
     from paged_jax.engine.llm import LLM
     llm = LLM(model, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, seq_buckets=(2,),
