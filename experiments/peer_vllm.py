@@ -56,10 +56,10 @@ _MAX_OUTPUT = flags.DEFINE_integer("max_output_tokens", 0, "Cap on each request'
                                    "own; 120 at scale 1.0 gives prompts ~160, outputs ~110: a shorter run).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 2048, "Prompt + output cap (trace and both engines).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step, both engines.")
-_MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 1024,
-                                    "Our engine's tokens per step (vLLM: its default, 4096 on CPU). 1024: our "
-                                    "fastest on this trace of 256 / 1024 / 2048 "
-                                    "(python -m experiments.trace_step_breakdown).")
+_MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 2048,
+                                    "Our engine's tokens per step (vLLM: its default, 4096 on CPU). 2048: our "
+                                    "fastest on this trace of 256 / 1024 / 2048 in bfloat16, and level with 1024 "
+                                    "in float32 (python -m experiments.trace_step_breakdown [--dtype=float32]).")
 _KV_GIB = flags.DEFINE_float("kv_cache_gib", 2.0, "KV cache budget of each engine, GiB (2: the default trace "
                                                   "fits without preemption in float32).")
 _ATTENTION = flags.DEFINE_string("attention_backend", "auto", "Our engine's attention (EngineConfig.attention_backend; "
