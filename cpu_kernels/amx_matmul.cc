@@ -17,7 +17,8 @@
 //   AmxSwigluBF16: w_gate, w_up of one shape -> bf16[M, N] = silu(x @ W_gate) * (x @ W_up),
 //        the f32 products combined in registers and rounded to bf16 once (the down
 //        projection's input dtype), instead of two f32 [M, N] arrays through memory.
-// Work items are (a panel of up to 128 rows, a pair of 16-column blocks), taken by XLA's intra-op
+// Work items are (a panel of up to kPanelRows rows, a pair of 16-column blocks; for SwiGLU
+// the gate's and the up projection's block of the same columns), taken by XLA's intra-op
 // threads and the caller; each thread configures its tiles (8 tiles: 4 of C, 2 of A, 2 of B)
 // and releases them when done. Built only where the compiler targets AMX (-march=native on
 // such a CPU); elsewhere the handler returns an error and the Python side never calls it.

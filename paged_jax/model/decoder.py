@@ -104,7 +104,7 @@ def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
 def dense_many(x: jnp.ndarray, *ws: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
     """(dense(x, w) for w in ws): under the "amx_tiles" layout one native call for all of
     them (q, k and v: one wake-up of the kernel's threads instead of three, a 64-row decode
-    step makes 90 fewer calls on SmolLM2); elsewhere separate dots, as before."""
+    step makes 60 fewer calls on SmolLM2); elsewhere separate dots, as before."""
     if _WEIGHT_LAYOUT.get() == "amx_tiles":
         from cpu_kernels.amx_matmul import amx_matmul_many
         return amx_matmul_many(x, *ws)
@@ -115,7 +115,7 @@ def swiglu(x: jnp.ndarray, w_gate: jnp.ndarray, w_up: jnp.ndarray) -> jnp.ndarra
     """silu(x @ w_gate) * (x @ w_up), the SwiGLU MLP's first half. Under the "amx_tiles"
     layout one native call that keeps both f32 products in registers and returns them
     combined in bf16, the dtype the down projection's kernel reads (XLA otherwise writes
-    two f32 [tokens, intermediate] arrays and reads them back: 12.6 MB each per layer in a
+    two f32 [tokens, intermediate] arrays and reads them back: 6.3 MB each per layer in a
     1024-token SmolLM2 prefill chunk); elsewhere in float32 from `dense`, as before."""
     if _WEIGHT_LAYOUT.get() == "amx_tiles":
         from cpu_kernels.amx_matmul import amx_swiglu
