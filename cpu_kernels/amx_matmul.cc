@@ -116,7 +116,7 @@ inline __m512 silu_times(__m512 g, __m512 u) {
 
 // x [rows m_begin..m_end) @ the two 16-column B blocks b0 (and b1 unless null), 32 rows at a
 // time: C tiles 0..3 = (rows 0-15, 16-31) x (b0, b1); A tiles 4, 5; B tiles 6, 7. Each 32-row
-// step's tiles go to `store(m, rows_in_step, two_n)`, which reads them back from the tiles.
+// step's C tiles go to `store(m, two_m, two_n)` (two_m: rows 16-31 exist), which reads them out.
 template <typename Store>
 void column_pair(const Work& p, const uint16_t* b0, const uint16_t* b1, int64_t m_begin, int64_t m_end,
                  const Store& store) {
