@@ -17,6 +17,11 @@
 //   AmxSwigluBF16: w_gate, w_up of one shape -> bf16[M, N] = silu(x @ W_gate) * (x @ W_up),
 //        the f32 products combined in registers and rounded to bf16 once (the down
 //        projection's input dtype), instead of two f32 [M, N] arrays through memory.
+//   AmxLogitsArgmaxBF16: one weight (the LM head) -> logits f32[M, N] = x @ W, and per row
+//        the first index of its largest logit (i32[M]) and that logit (f32[M]), taken from
+//        the C tiles as they are stored: a greedy step then needs no second pass over the
+//        [rows, vocab] logits (XLA's reductions over them took ~5 ms of a 64-row SmolLM2
+//        decode step).
 // Work items are (a panel of up to kPanelRows rows, a pair of 16-column blocks; for SwiGLU
 // the gate's and the up projection's block of the same columns), taken by XLA's intra-op
 // threads and the caller; each thread configures its tiles (8 tiles: 4 of C, 2 of A, 2 of B)
@@ -27,7 +32,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -82,6 +89,9 @@ struct Work {
   int num_parts = 0;
   int64_t pairs = 0;  // items per row panel, over every part
   uint16_t* swiglu_out = nullptr;  // SwiGLU: bf16[M, N] = silu(x @ gate) * (x @ up), parts[0] = gate, [1] = up
+  int32_t* argmax = nullptr;  // logits + argmax: per row the first index of the largest logit...
+  float* best = nullptr;      // ... and that logit; threads merge their rows' bests under `merge`
+  std::mutex merge;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
 };
@@ -156,8 +166,19 @@ void column_pair(const Work& p, const uint16_t* b0, const uint16_t* b1, int64_t 
   }
 }
 
-// Item i of a plain call: output columns [32 pair, 32 pair + 32) of part `part`, f32.
-void plain_item(const Work& p, const Part& part, int64_t pair, int64_t m_begin, int64_t m_end) {
+// A thread's running best logit per row (argmax calls): value, then the least column holding it.
+struct RowBest {
+  float value = -std::numeric_limits<float>::infinity();
+  int32_t index = std::numeric_limits<int32_t>::max();
+  void offer(float v, int32_t i) {
+    if (v > value || (v == value && i < index)) value = v, index = i;
+  }
+};
+
+// Item i of a plain call: output columns [32 pair, 32 pair + 32) of part `part`, f32; with
+// `rows` (argmax calls), each stored row's 16 or 32 logits, read back while in L1, are
+// offered to its running best.
+void plain_item(const Work& p, const Part& part, int64_t pair, int64_t m_begin, int64_t m_end, RowBest* rows) {
   const int64_t kb_count = p.K / 32, nb0 = 2 * pair;
   const uint16_t* b0 = part.w + nb0 * kb_count * 512;
   const uint16_t* b1 = (nb0 + 1) * 16 < part.N ? b0 + kb_count * 512 : nullptr;
@@ -169,6 +190,18 @@ void plain_item(const Work& p, const Part& part, int64_t pair, int64_t m_begin, 
     if (two_m) {
       _tile_stored(2, c + 16 * part.N, out_stride);
       if (two_n) _tile_stored(3, c + 16 * part.N + 16, out_stride);
+    }
+    if (rows == nullptr) return;
+    for (int r = 0; r < (two_m ? 32 : 16); ++r) {
+      const float* row = c + r * part.N;
+      __m512 v = _mm512_loadu_ps(row);
+      if (two_n) v = _mm512_max_ps(v, _mm512_loadu_ps(row + 16));
+      const float top = _mm512_reduce_max_ps(v);
+      if (!(top >= rows[m + r].value)) continue;  // also skips NaN, as first_max never picks one
+      const __m512 t = _mm512_set1_ps(top);
+      uint32_t hits = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row), t);
+      if (two_n) hits |= static_cast<uint32_t>(_mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + 16), t)) << 16;
+      if (hits) rows[m + r].offer(top, static_cast<int32_t>(nb0 * 16 + __builtin_ctz(hits)));
     }
   });
 }
@@ -205,6 +238,7 @@ void drain(Work& work) {
   int64_t i = work.next.fetch_add(1);
   if (i < items) {
     configure_tiles();
+    std::unique_ptr<RowBest[]> rows(work.argmax ? new RowBest[work.M] : nullptr);
     for (; i < items; i = work.next.fetch_add(1)) {
       const int64_t panel = i / work.pairs, m0 = panel * kPanelRows, m1 = std::min<int64_t>(work.M, m0 + kPanelRows);
       int64_t pair = i % work.pairs;
@@ -214,9 +248,17 @@ void drain(Work& work) {
       }
       int part = 0;
       while (pair >= work.parts[part].pairs) pair -= work.parts[part++].pairs;
-      plain_item(work, work.parts[part], pair, m0, m1);
+      plain_item(work, work.parts[part], pair, m0, m1, rows.get());
     }
     _tile_release();
+    if (rows) {
+      std::lock_guard<std::mutex> lock(work.merge);
+      for (int64_t r = 0; r < work.M; ++r) {
+        RowBest merged{work.best[r], work.argmax[r]};
+        merged.offer(rows[r].value, rows[r].index);
+        work.best[r] = merged.value, work.argmax[r] = merged.index;
+      }
+    }
   }
   work.active.fetch_sub(1);
 }
@@ -269,6 +311,26 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Rema
   return ffi::Error::Success();
 }
 
+ffi::Error logits_argmax_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs weights,
+                              ffi::ResultBuffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> argmax,
+                              ffi::ResultBuffer<ffi::F32> best) {
+  auto work = std::make_shared<Work>();
+  if (auto error = prepare(*work, x, weights); error.failure()) return error;
+  if (work->num_parts != 1) return ffi::Error::InvalidArgument("logits + argmax takes one weight matrix");
+  Part& part = work->parts[0];
+  const auto od = logits->dimensions();
+  if (od.size() != 2 || od[0] != work->M || od[1] != part.N) return ffi::Error::InvalidArgument("logits f32[M, N]");
+  if (argmax->dimensions().size() != 1 || argmax->dimensions()[0] != work->M || best->dimensions().size() != 1 ||
+      best->dimensions()[0] != work->M)
+    return ffi::Error::InvalidArgument("argmax i32[M], best f32[M]");
+  part.out = logits->typed_data();
+  part.pairs = work->pairs = (part.N / 16 + 1) / 2;
+  work->argmax = argmax->typed_data(), work->best = best->typed_data();
+  for (int64_t r = 0; r < work->M; ++r) work->argmax[r] = static_cast<int32_t>(part.N), work->best[r] = -std::numeric_limits<float>::infinity();
+  if (work->M > 0 && work->pairs > 0) run(pool, work);
+  return ffi::Error::Success();
+}
+
 ffi::Error swiglu_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs weights,
                        ffi::ResultBuffer<ffi::BF16> out) {
   auto work = std::make_shared<Work>();
@@ -290,6 +352,11 @@ ffi::Error matmul_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::RemainingAr
 }
 
 ffi::Error swiglu_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::RemainingArgs, ffi::ResultBuffer<ffi::BF16>) {
+  return ffi::Error::Internal("built without AMX (the compiler does not target amx-tile / amx-bf16)");
+}
+
+ffi::Error logits_argmax_impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::RemainingArgs, ffi::ResultBuffer<ffi::F32>,
+                              ffi::ResultBuffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>) {
   return ffi::Error::Internal("built without AMX (the compiler does not target amx-tile / amx-bf16)");
 }
 
@@ -319,3 +386,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxSwigluBF16, swiglu_impl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxLogitsArgmaxBF16, logits_argmax_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -4,7 +4,8 @@
 (bf16[N / 16, K / 32, 16, 32]); `amx_matmul(x, packed)` is x @ w accumulated in f32, for x
 of any float dtype and leading shape; `amx_matmul_many(x, packed...)` is several products of
 one x in one call (q, k, v); `amx_swiglu(x, gate, up)` is silu(x @ gate) * (x @ up) rounded
-to bf16, the MLP's first half in one call. `supported()` is True only where the kernels build
+to bf16, the MLP's first half in one call; `amx_logits_argmax(x, head)` is the LM head's
+logits with each row's greedy token and its logit taken as the tiles are stored. `supported()` is True only where the kernels build
 with AMX, the CPU has it and the OS grants the tile state; `packable(w)` where the shape
 fits the tiles (K % 32 == 0, N % 16 == 0).
 """
@@ -83,3 +84,19 @@ def amx_swiglu(x, gate, up):
     shape = jax.ShapeDtypeStruct((rows.shape[0], gate.shape[0] * 16), jnp.bfloat16)
     out = jax.ffi.ffi_call("paged_jax_amx_swiglu_bf16", shape, vmap_method="sequential")(rows, gate, up)
     return out[:m].reshape(*x.shape[:-1], out.shape[1])
+
+
+def amx_logits_argmax(x, packed):
+    """x [M, K] @ W -> (logits f32[M, N], argmax i32[M], best f32[M]) for `packed =
+    pack_weights(W)`: argmax is the first index of each row's largest logit (what
+    `jnp.argmax` returns) and best that logit, computed in the kernel from the logits it
+    stores, so a greedy step reads no [M, N] array again. x is rounded to bf16."""
+    if x.ndim != 2:
+        raise ValueError(f"amx_logits_argmax takes x [M, K], got {x.shape}")
+    rows, m = _rows(x, (packed,))
+    padded, n = rows.shape[0], packed.shape[0] * 16
+    shapes = (jax.ShapeDtypeStruct((padded, n), jnp.float32), jax.ShapeDtypeStruct((padded,), jnp.int32),
+              jax.ShapeDtypeStruct((padded,), jnp.float32))
+    logits, argmax, best = jax.ffi.ffi_call("paged_jax_amx_logits_argmax_bf16", shapes,
+                                            vmap_method="sequential")(rows, packed)
+    return logits[:m], argmax[:m], best[:m]

@@ -33,6 +33,7 @@ TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_write_kv_bf16": "WriteKvBF16",
     "paged_jax_amx_matmul_bf16": "AmxMatmulBF16",
     "paged_jax_amx_swiglu_bf16": "AmxSwigluBF16",
+    "paged_jax_amx_logits_argmax_bf16": "AmxLogitsArgmaxBF16",
 }
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 

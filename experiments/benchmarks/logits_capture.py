@@ -22,7 +22,7 @@ class LastLogits:
         step = self.original = self.runner._step
 
         def capture(*args):
-            out = step(*args)  # (logits, kv cache, hidden states)
+            out = step(*args)  # (logits, kv cache, hidden states, head-kernel argmax)
             self.row = np.array(jax.device_get(out[0])[0], np.float32)  # a copy: the buffer is donated next step
             return out
         self.runner._step = capture

@@ -5,7 +5,9 @@ padded BatchInputs (numpy), and runs one jitted step per (seq, token) bucket wit
 cache donated: the model over the new tokens (K/V written at their slots, attention
 through the block tables) and logits for each row's last token; then the step's head, a
 jitted call of its own (`step_head.py` says why): greedy rows take the argmax, and only a
-batch with a sampled row runs the sampler with its per-row parameters. Copy-on-write
+batch with a sampled row runs the sampler with its per-row parameters. Where the LM head
+runs on the AMX kernel, that kernel also returns each row's argmax, and a batch that is
+all greedy and asks for no logprobs takes it and skips the head call (`_native_greedy`). Copy-on-write
 block copies run as their own jitted call, only in steps that have any (the batch's copy
 list is padded to max_num_seqs entries; copying the padding inside every step cost 36 ms
 at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`). On CPU the layers'
@@ -191,14 +193,15 @@ class ModelRunner(BlockMovesMixin):
             else:
                 model = nnx.merge(self.graphdef, params)
                 hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
+        greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`_native_greedy`)
         if packed_head is not None:
-            from cpu_kernels.amx_matmul import amx_matmul
-            logits = amx_matmul(hidden[batch.logits_indices], packed_head)
+            from cpu_kernels.amx_matmul import amx_logits_argmax
+            logits, *greedy = amx_logits_argmax(hidden[batch.logits_indices], packed_head)
         else:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
             logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
-        return logits, kv_cache, hidden  # hidden: every token's, for prompt logprobs (prompt_scoring.py)
+        return logits, kv_cache, hidden, greedy  # hidden: every token's, for prompt logprobs (prompt_scoring.py)
 
     def _prompt_head_impl(self, params, packed_head, hidden, targets):
         """Prompt logprobs of PROMPT_LOGPROB_ROWS rows of final hidden states: the step's
@@ -246,6 +249,20 @@ class ModelRunner(BlockMovesMixin):
             buffer = jax.device_put(np.zeros(shape, np.float32), sharding)
         return buffer
 
+    def _native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
+        """The step's result straight from the head kernel's argmax (`amx_logits_argmax`), for
+        a batch that `greedy_head` would serve with nothing else to compute: every row greedy,
+        no token bitmask, no logprobs asked (`want_top` 0, so its logprobs are the tokens' raw
+        logits and its top-K zeros, as here). The tokens are the first maximum of the very
+        logits the head would read, so they are the same; what is saved is its pass over the
+        [rows, vocab] logits (~3.5 ms of a 64-row SmolLM2 decode step, measured in-process).
+        None where the batch needs the head."""
+        if greedy is None or batch.use_mask[0] or batch.temperature.any() or batch.want_top[0]:
+            return None
+        tokens, best = (np.asarray(a) for a in greedy)
+        k = self.num_top_logprobs
+        return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
+
     def _head(self, logits, batch: BatchInputs) -> StepResult:
         """Tokens, logprobs and top-K from the step's logits (`paged_jax/worker/step_head.py`
         says why this is a call of its own): the sampler only when a row samples."""
@@ -274,8 +291,8 @@ class ModelRunner(BlockMovesMixin):
         heads_compiled = set()
         for num_seqs, num_tokens in self.batch_shapes():
             batch = self.empty_batch(num_seqs, num_tokens)
-            logits, self.kv_cache, _ = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
-                                                  self.packed_head, self._logits_buffer(batch))
+            logits, self.kv_cache, _, _ = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
+                                                     self.packed_head, self._logits_buffer(batch))
             jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
             if num_seqs not in heads_compiled:  # the sampler too, once per row bucket (and both under a mask)
                 heads_compiled.add(num_seqs)
@@ -335,14 +352,16 @@ class ModelRunner(BlockMovesMixin):
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
-        logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
-                                                   self.packed_head, self._logits_buffer(batch))
+        logits, self.kv_cache, hidden, greedy = self._step(self.params, self.kv_cache, _step_inputs(batch),
+                                                           self.rope_tables, self.packed_head, self._logits_buffer(batch))
         if late_bitmask is not None:  # host work while the model step runs
             rows = late_bitmask()
             mask = np.full_like(batch.token_bitmask, -1)
             mask[: len(rows)] = rows
             batch = batch._replace(token_bitmask=mask, use_mask=np.ones(1, np.int32))
-        result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)[:4]))
+        result = self._native_greedy(greedy, batch)
+        if result is None:
+            result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)[:4]))
         if (batch.prompt_targets >= 0).any():
             head = functools.partial(self._prompt_head, self.params, self.packed_head)
             result = result._replace(prompt=score_prompt_positions(head, hidden, batch))

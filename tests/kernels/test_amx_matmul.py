@@ -90,6 +90,29 @@ def test_swiglu_matches_silu_of_gate_times_up_in_bf16(rows):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 48), (37, 208), (300, 96)])
+def test_logits_argmax_is_the_first_max_of_the_logits_it_returns(rows, n):
+    if not HAS_AMX_CPU:
+        assert not amx_matmul.supported()
+        return
+    from paged_jax.worker.step_head import first_max
+    rng = np.random.default_rng(rows + n)
+    w = rng.standard_normal((64, n))
+    w[:, 40] += 1.0  # large enough that the rows with all-positive x pick this column ...
+    w[:, 7] = w[:, n - 3] = w[:, 40]  # ... tied with two others in every row: ties go to the least index
+    w = jnp.asarray(w, jnp.bfloat16)
+    x = rng.standard_normal((rows, 64))
+    x[::2] = np.abs(x[::2])  # even rows pick the tie, odd rows anything
+    x = jnp.asarray(x, jnp.float32)
+    logits, argmax, best = jax.jit(amx_matmul.amx_logits_argmax)(x, amx_matmul.pack_weights(w))
+    want = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-3)
+    assert argmax.dtype == jnp.int32 and best.dtype == jnp.float32 and argmax.shape == best.shape == (rows,)
+    np.testing.assert_array_equal(np.asarray(argmax), np.asarray(first_max(logits)))
+    np.testing.assert_array_equal(np.asarray(best), np.asarray(jnp.max(logits, axis=-1)))
+    assert (np.asarray(argmax) == 7).any()  # the tie was exercised
+
+
 def test_swiglu_refuses_gate_and_up_of_different_shapes():
     gate = amx_matmul.pack_weights(jnp.zeros((64, 32), jnp.bfloat16))
     up = amx_matmul.pack_weights(jnp.zeros((64, 48), jnp.bfloat16))
@@ -127,3 +150,35 @@ def test_layer_classes_with_their_own_projections_keep_the_checkpoint_layout(tin
 
     model = dataclasses.replace(tiny_llama, model_class=OwnMlpDecoder)
     assert _runner(model, dtype="bfloat16").weight_layout == "in_out"
+
+
+def test_greedy_batches_take_the_head_kernels_argmax_and_skip_the_head(tiny_llama):
+    """All-greedy batches that ask for no logprobs take their tokens from the AMX head's
+    argmax; they must be the tokens the head call would have chosen, and any batch that
+    asks for logprobs or samples must still go through the head."""
+    from paged_jax.core.sampling_params import SamplingParams
+    from paged_jax.engine.llm import LLM
+
+    llm = LLM(tiny_llama, dtype="bfloat16", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+              seq_buckets=(2,), token_buckets=(16,), num_blocks=16, block_size=8)
+    runner = llm.engine.core.runner
+    assert (runner.packed_head is not None) == HAS_AMX_CPU
+    head_calls = []
+    original_head = runner._head
+    runner._head = lambda logits, batch: head_calls.append(1) or original_head(logits, batch)
+    prompts = [{"prompt_token_ids": [5, 9, 12, 40, 3]}, {"prompt_token_ids": [77, 2, 19]}]
+
+    def run(**params):
+        head_calls.clear()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, **params), use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+    native = run(temperature=0.0)
+    assert (len(head_calls) == 0) == HAS_AMX_CPU  # no head call at all where the kernel's argmax serves
+    with_logprobs = run(temperature=0.0, logprobs=0)
+    assert head_calls  # logprobs asked: the head ran ...
+    assert [o.token_ids for o in native] == [o.token_ids for o in with_logprobs]  # ... and chose the same tokens
+    run(temperature=0.8, seed=1)
+    assert head_calls  # sampled rows: the sampler
+    runner._native_greedy = lambda greedy, batch: None  # the head for everything
+    assert [o.token_ids for o in run(temperature=0.0)] == [o.token_ids for o in native]
