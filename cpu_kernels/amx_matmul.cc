@@ -39,13 +39,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-
+#include "amx_tiles.h"  // amx_permitted, configure_tiles
 #include "attention_vectors.h"  // exp_nonpositive16
-#include <unistd.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -53,25 +48,8 @@ namespace {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
-constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for the AMX tile state
-constexpr long kXfeatureXtiledata = 18;
-
-bool amx_permitted() {  // once per process
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 16 rows x 64 bytes each
-  _tile_loadconfig(&cfg);
-}
+using paged_jax_cpu::amx_permitted;
+using paged_jax_cpu::configure_tiles;
 
 // One weight matrix of a call: its packed tiles, its columns, where its product goes.
 struct Part {

@@ -54,11 +54,28 @@ inline uint16_t to_bf16(float x) {  // round to nearest even (inputs here are fi
   std::memcpy(&u, &x, sizeof u);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
+inline uint16_t to_bf16(uint16_t bits) { return bits; }  // already bf16 (q of a bf16 cache)
 inline float to_float(uint16_t bits) {  // bfloat16 -> float: the top half of an f32
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// dst[0..D) = acc[0..D) * scale in dst's dtype (the cache's: bf16 rounds to nearest even).
+inline void store_scaled(const float* acc, float scale, int64_t D, float* dst) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * scale;
+}
+inline void store_scaled(const float* acc, float scale, int64_t D, uint16_t* dst) {
+  int64_t d = 0;
+#if defined(__AVX512BF16__)
+  for (; d + kLanes <= D; d += kLanes) {  // vcvtneps2bf16: the same rounding
+    const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(scale)));
+    std::memcpy(dst + d, &packed, sizeof packed);
+  }
+#endif
+  for (; d < D; ++d) dst[d] = to_bf16(acc[d] * scale);
 }
 
 // exp(x) for x <= 0 (scores minus their running max), written so GCC vectorizes it under

@@ -25,7 +25,7 @@ import tempfile
 import warnings
 
 SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc")
-HEADERS = ("attention_vectors.h",)
+HEADERS = ("attention_vectors.h", "amx_tiles.h", "attention_amx.h", "attention_problem.h")
 TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_ragged_paged_attention_f32": "RaggedPagedAttentionF32",
     "paged_jax_ragged_paged_attention_bf16": "RaggedPagedAttentionBF16",

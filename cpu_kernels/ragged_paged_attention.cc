@@ -7,10 +7,13 @@
 // block table, once per (sequence, KV head, query tile), with an f32 online softmax.
 //
 // Contract (the same as pallas_kernels.ragged_paged_attention_reference):
-//   q       f32[T, Hq, D]
 //   k, v    f32 or bf16 [num_blocks, block_size, Hkv, D]   (Hq a multiple of Hkv)
+//   q       [T, Hq, D] in the caches' dtype
 //   tables  i32[S, max_blocks]        context_lens i32[S]     query_start_loc i32[S + 1]
-//   out     f32[T, Hq, D]; tokens past query_start_loc[S] (padding) get zeros.
+//   out     [T, Hq, D] in the caches' dtype; tokens past query_start_loc[S] (padding) get zeros.
+// Scores, softmax and the weighted values accumulate in f32 (bf16 products are exact);
+// where the CPU has AMX, a bf16 cache's prefill tiles run on its tiles and round the
+// softmax weights to bf16 for P V (attention_amx.h).
 // Sequence s's q_len = qsl[s+1] - qsl[s] new tokens end its context, so token i of the
 // sequence sits at position ctx - q_len + i and sees keys in
 // [max(0, position - window + 1), position]. Slots past a context are never read.
@@ -32,6 +35,8 @@
 #include <utility>
 #include <vector>
 
+#include "attention_amx.h"
+#include "attention_problem.h"
 #include "attention_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,36 +44,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace paged_jax_cpu;  // attention_vectors.h
-
-struct Problem {
-  const float* q;
-  const void* k;
-  const void* v;
-  const int32_t* tables;
-  const int32_t* context_lens;
-  const int32_t* query_start;
-  float* out;
-  int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, num_seqs, max_blocks;
-  float scale, soft_cap;
-  int32_t window;
-};
-
-struct Item {
-  int32_t seq, first_token, num_tokens;  // first_token: index within the sequence's query tokens
-  int32_t first_kv_head, num_kv_heads;
-};
-
-// Per-thread scratch (on the heap: a pool thread's stack may be small).
-struct Scratch {
-  float q[kMaxRows][kMaxHeadDim], acc[kMaxRows][kMaxHeadDim];  // q: times sm_scale
-  uint16_t qb[kMaxRows][kMaxHeadDim];  // decode rows of a bf16 cache: q in bf16, unscaled
-  float s[kMaxRows][kMaxBlockSize + kLanes];  // a chunk's scores, then its softmax weights
-  float kt[kMaxHeadDim * (kMaxBlockSize + kLanes)];  // one head's keys of a block, transposed [D][keys]
-  float vb[kMaxBlockSize][kMaxHeadDim];  // one head's values of a block as f32 (bf16 caches)
-  float m[kMaxRows], l[kMaxRows], row[kMaxHeadDim];
-  int32_t lo[kMaxRows], hi[kMaxRows];  // each query row's visible keys: [lo, hi)
-};
+using namespace paged_jax_cpu;  // attention_{problem,vectors,amx}.h
 
 // One work item: a tile of query tokens x the query heads of a range of KV heads. Its rows
 // are r = (token * num_kv_heads + kv_head) * group + g. Per block and head, the scores
@@ -99,6 +75,12 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
 #else
   const bool use_bf16_dot = false;
 #endif
+  // prefill tiles of a bf16 cache on AMX tiles (attention_amx.h; p.amx: the CPU has them, D % 64 == 0)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool use_amx = std::is_same_v<T, uint16_t> && p.amx && item.num_tokens > 1 && nh == 1;
+#else
+  const bool use_amx = false;
+#endif
   auto query_row = [&](int tok, int hh, int g) {  // this row's slice of q / out
     return ((q_begin + item.first_token + tok) * p.num_heads + (item.first_kv_head + hh) * group + g) * D;
   };
@@ -109,9 +91,10 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         const int r = row_of(tok, hh, g);
         hi[r] = position + 1;
         lo[r] = p.window > 0 ? std::max(0, position - p.window + 1) : 0;
-        const float* src = p.q + query_row(tok, hh, g);
-        for (int64_t d = 0; d < D; ++d) q[r][d] = src[d] * p.scale;
-        if (use_bf16_dot)
+        const T* src = static_cast<const T*>(p.q) + query_row(tok, hh, g);
+        if (!use_amx)  // (AMX tiles read qb only)
+          for (int64_t d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * p.scale;
+        if (use_bf16_dot || use_amx)
           for (int64_t d = 0; d < D; ++d) w.qb[r][d] = to_bf16(src[d]);
         std::fill(acc[r], acc[r] + D, 0.0f);
         m[r] = -INFINITY;
@@ -119,6 +102,8 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
       }
     }
   }
+  if (use_amx)  // the last row tile's padding rows score 0
+    for (int r = rows; r < (rows + 15) / 16 * 16; ++r) std::fill(w.qb[r], w.qb[r] + D, uint16_t{0});
   const int32_t key_begin = *std::min_element(lo, lo + rows), key_end = *std::max_element(hi, hi + rows);
   // Blocks go in chunks of up to kMaxBlockSize keys: every block's scores first (s[r][key -
   // chunk start]), then one online-softmax update per row for the whole chunk, then P.V
@@ -140,7 +125,19 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
   for (int32_t cb = key_begin / bs; cb < end_block; cb += chunk_blocks) {
     const int32_t ce = std::min(cb + chunk_blocks, end_block), origin = cb * bs;
     const int32_t c0 = std::max(key_begin, origin) - origin, c1 = std::min(key_end, ce * bs) - origin;
-    for (int32_t b = cb; b < ce; ++b) {  // scores of block b's keys [j0, j1) at s[r][off + j]
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (use_amx) {  // the chunk's key rows, then all its scores at once
+        for (int32_t b = cb; b < ce; ++b) {
+          const int64_t base = block_base(b);
+          if (base < 0) return false;
+          for (int32_t i = 0; i < bs; ++i) w.slot[(b - cb) * bs + i] = base + i * row_stride;
+        }
+        amx_scores(w, k, rows, c0, c1, D, p.scale);
+      }
+    }
+#endif
+    for (int32_t b = cb; b < ce && !use_amx; ++b) {  // scores of block b's keys [j0, j1) at s[r][off + j]
       const int64_t base = block_base(b);
       if (base < 0) return false;
       prefetch(k, b + 1);
@@ -211,37 +208,13 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
         }
       }
     }
-    for (int r = 0; r < rows; ++r) {  // online softmax over this chunk, row by row
-      const int32_t a = std::max(c0, lo[r] - origin), e = std::min(c1, hi[r] - origin);
-      if (a >= e) {
-        for (int32_t j = c0; j < c1; ++j) s[r][j] = 0.0f;
-        continue;
-      }
-      if (p.soft_cap > 0)
-        for (int32_t j = a; j < e; ++j) s[r][j] = p.soft_cap * std::tanh(s[r][j] / p.soft_cap);
-      float m_new, sum = 0.0f;
-#if defined(__AVX512F__)
-      m_new = softmax_weights16(s[r], c0, c1, a, e, m[r], &sum);
-#else
-      float chunk_max = -INFINITY;
-      for (int32_t j = a; j < e; ++j) chunk_max = std::max(chunk_max, s[r][j]);
-      m_new = std::max(m[r], chunk_max);
-#pragma omp simd reduction(+ : sum)
-      for (int32_t j = c0; j < c1; ++j) {
-        const float e_j = (j >= a && j < e) ? exp_nonpositive(s[r][j] - m_new) : 0.0f;
-        s[r][j] = e_j;
-        sum += e_j;
-      }
-#endif
-      const float correction = exp_nonpositive(m[r] - m_new);  // m = -inf: 0
-      l[r] = l[r] * correction + sum;
-      m[r] = m_new;
-      if (correction != 1.0f) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[r][d] *= correction;
-      }
+    online_softmax(w, rows, origin, c0, c1, D, p.soft_cap);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (use_amx) amx_weighted_values(w, v, rows, c0, c1, D);
     }
-    for (int32_t b = cb; b < ce; ++b) {  // acc += p v, block by block
+#endif
+    for (int32_t b = cb; b < ce && !use_amx; ++b) {  // acc += p v, block by block
       const int64_t base = block_base(b);
       prefetch(k, b + chunk_blocks);
       const int32_t off = (b - cb) * bs, j0 = std::max(c0 - off, 0), j1 = std::min(c1 - off, bs);
@@ -320,9 +293,9 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
     for (int hh = 0; hh < nh; ++hh) {
       for (int g = 0; g < group; ++g) {
         const int r = row_of(tok, hh, g);
-        float* dst = p.out + query_row(tok, hh, g);
+        T* dst = static_cast<T*>(p.out) + query_row(tok, hh, g);
         const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
+        store_scaled(acc[r], inv, D, dst);
       }
     }
   }
@@ -345,16 +318,23 @@ void drain(Work& work) {
   // one scratch per thread, kept across calls (uninitialized: every item writes what it reads)
   thread_local std::unique_ptr<Scratch> scratch;
   if (!scratch) scratch.reset(new Scratch);
+  [[maybe_unused]] bool tiles = false;  // configured on this thread's first AMX item, released when done
   for (int64_t i = work.next.fetch_add(1); i < static_cast<int64_t>(work.items.size()); i = work.next.fetch_add(1)) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (work.problem.amx && work.items[i].num_tokens > 1 && !tiles) configure_tiles(), tiles = true;
+#endif
     if (!attend_item<T>(work.problem, work.items[i], *scratch)) work.failed.store(true);
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles) _tile_release();
+#endif
   work.active.fetch_sub(1);
 }
 
 template <ffi::DataType KV>
-ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KV> k, ffi::Buffer<KV> v,
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<KV> q, ffi::Buffer<KV> k, ffi::Buffer<KV> v,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> context_lens,
-                          ffi::Buffer<ffi::S32> query_start, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                          ffi::Buffer<ffi::S32> query_start, ffi::ResultBuffer<KV> out, float sm_scale,
                           int32_t sliding_window, float soft_cap) {
   using T = ffi::NativeType<KV>;
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
@@ -364,6 +344,9 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(), context_lens.typed_data(),
               query_start.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
               sm_scale, soft_cap, sliding_window};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  p.amx = KV == ffi::BF16 && p.head_dim % 64 == 0 && amx_permitted();
+#endif
   if (p.num_heads % p.num_kv_heads || p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize ||
       kd[3] != p.head_dim || p.num_heads / p.num_kv_heads > kMaxRows)
     return ffi::Error::InvalidArgument("unsupported shapes (head_dim <= 256, block_size <= 256, group <= 64)");
@@ -377,8 +360,9 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t row = p.num_heads * p.head_dim, tokens = p.num_tokens;
   const int64_t first = std::clamp<int64_t>(p.query_start[0], 0, tokens);
   const int64_t used = std::clamp<int64_t>(p.query_start[p.num_seqs], first, tokens);
-  std::memset(p.out, 0, sizeof(float) * first * row);
-  std::memset(p.out + used * row, 0, sizeof(float) * (tokens - used) * row);
+  T* const out_rows = static_cast<T*>(p.out);
+  std::memset(out_rows, 0, sizeof(T) * first * row);
+  std::memset(out_rows + used * row, 0, sizeof(T) * (tokens - used) * row);
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const int32_t q_len = p.query_start[s + 1] - p.query_start[s], ctx = p.context_lens[s];
     if (q_len <= 0) continue;
@@ -407,13 +391,13 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, attention_impl<KV>,                                    \
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                            \
                                     .Arg<ffi::Buffer<KV>>()                                  \
                                     .Arg<ffi::Buffer<KV>>()                                  \
+                                    .Arg<ffi::Buffer<KV>>()                                  \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
-                                    .Ret<ffi::Buffer<ffi::F32>>()                            \
+                                    .Ret<ffi::Buffer<KV>>()                                  \
                                     .Attr<float>("sm_scale")                                 \
                                     .Attr<int32_t>("sliding_window")                         \
                                     .Attr<float>("soft_cap"));

@@ -67,6 +67,21 @@ def test_long_prefill_tiles_and_many_kv_heads():
     assert_matches_ragged_reference(got, case, np.float32, sm_scale=0.1)
 
 
+@pytest.mark.parametrize("head_dim,block_size,group,window,cap", [(64, 16, 3, None, None), (64, 8, 1, 37, None),
+                                                                   (128, 32, 4, None, 1.5), (64, 64, 7, 300, None)])
+def test_bf16_prefill_tiles_over_many_chunks(head_dim, block_size, group, window, cap):
+    """bf16 prefill tiles (where the CPU has AMX and head_dim % 64 == 0, on its tiles:
+    cpu_kernels/attention_amx.h) over contexts of several 256-key chunks, with query tiles
+    of 64 // group tokens (last row tiles partly padding), every slot outside the tables NaN."""
+    rng = np.random.default_rng(head_dim + block_size + group)
+    lens = [600, 45, 290]
+    case = make_case(rng, context_lens=lens, q_lens=[333, 45, 17], num_heads=2 * group, num_kv_heads=2,
+                     head_dim=head_dim, block_size=block_size, max_blocks_per_seq=-(-max(lens) // block_size) + 1,
+                     dtype=jnp.bfloat16, num_padding_tokens=3)
+    got = ragged_paged_attention_cpu(*ragged_args(case), sliding_window=window, soft_cap=cap)
+    assert_matches_ragged_reference(got, case, jnp.bfloat16, sliding_window=window, soft_cap=cap)
+
+
 def test_out_of_range_inputs_are_errors_not_reads():
     rng = np.random.default_rng(6)
     case = make_case(rng, context_lens=[20], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
