@@ -40,7 +40,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "amx_tiles.h"  // amx_permitted, configure_tiles
-#include "attention_vectors.h"  // exp_nonpositive16
+#include "matmul_epilogues.h"  // RowBest, offer_row, silu_times
 
 namespace ffi = xla::ffi;
 
@@ -50,6 +50,8 @@ namespace {
 
 using paged_jax_cpu::amx_permitted;
 using paged_jax_cpu::configure_tiles;
+using paged_jax_cpu::RowBest;
+using paged_jax_cpu::silu_times;
 
 // One weight matrix of a call: its packed tiles, its columns, where its product goes.
 struct Part {
@@ -90,17 +92,6 @@ constexpr int64_t kPrefetchTiles = 4;
 // rows, two rounds each: 295 / 290 ms with 128 rows, 271 / 263 with 256 (1024 rows: no
 // difference); its prefill-only run of the trace's 64 prompts 2.71-2.81 s -> 2.54-2.72 s.
 constexpr int64_t kPanelRows = 256;
-
-// silu(g) * u, 16 lanes: g * sigmoid(g) * u, the sigmoid from e = exp(-|g|) <= 1 (1 / (1 + e)
-// for g >= 0, e / (1 + e) below), so nothing overflows; the same order of products as
-// jax.nn.silu(g) * u.
-inline __m512 silu_times(__m512 g, __m512 u) {
-  const __m512 e = paged_jax_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
-  return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
-}
 
 // x [rows m_begin..m_end) @ the two 16-column B blocks b0 (and b1 unless null), 32 rows at a
 // time: C tiles 0..3 = (rows 0-15, 16-31) x (b0, b1); A tiles 4, 5; B tiles 6, 7. Each 32-row
@@ -152,15 +143,6 @@ void column_pair(const Work& p, const uint16_t* b0, const uint16_t* b1, int64_t 
   }
 }
 
-// A thread's running best logit per row (argmax calls): value, then the least column holding it.
-struct RowBest {
-  float value = -std::numeric_limits<float>::infinity();
-  int32_t index = std::numeric_limits<int32_t>::max();
-  void offer(float v, int32_t i) {
-    if (v > value || (v == value && i < index)) value = v, index = i;
-  }
-};
-
 // Item i of a plain call: output columns [32 pair, 32 pair + 32) of part `part`, f32; with
 // `rows` (argmax calls), each stored row's 16 or 32 logits, read back while in L1, are
 // offered to its running best.
@@ -178,17 +160,8 @@ void plain_item(const Work& p, const Part& part, int64_t pair, int64_t m_begin, 
       if (two_n) _tile_stored(3, c + 16 * part.N + 16, out_stride);
     }
     if (rows == nullptr) return;
-    for (int r = 0; r < (two_m ? 32 : 16); ++r) {
-      const float* row = c + r * part.N;
-      __m512 v = _mm512_loadu_ps(row);
-      if (two_n) v = _mm512_max_ps(v, _mm512_loadu_ps(row + 16));
-      const float top = _mm512_reduce_max_ps(v);
-      if (!(top >= rows[m + r].value)) continue;  // also skips NaN, as first_max never picks one
-      const __m512 t = _mm512_set1_ps(top);
-      uint32_t hits = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row), t);
-      if (two_n) hits |= static_cast<uint32_t>(_mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + 16), t)) << 16;
-      if (hits) rows[m + r].offer(top, static_cast<int32_t>(nb0 * 16 + __builtin_ctz(hits)));
-    }
+    for (int r = 0; r < (two_m ? 32 : 16); ++r)
+      paged_jax_cpu::offer_row(rows[m + r], c + r * part.N, two_n, static_cast<int32_t>(nb0 * 16));
   });
 }
 

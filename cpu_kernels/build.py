@@ -24,8 +24,8 @@ import subprocess
 import tempfile
 import warnings
 
-SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc")
-HEADERS = ("attention_vectors.h", "amx_tiles.h", "attention_amx.h", "attention_problem.h")
+SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc", "f32_matmul.cc")
+HEADERS = ("attention_vectors.h", "amx_tiles.h", "attention_amx.h", "attention_problem.h", "matmul_epilogues.h")
 TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_ragged_paged_attention_f32": "RaggedPagedAttentionF32",
     "paged_jax_ragged_paged_attention_bf16": "RaggedPagedAttentionBF16",
@@ -34,6 +34,9 @@ TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_amx_matmul_bf16": "AmxMatmulBF16",
     "paged_jax_amx_swiglu_bf16": "AmxSwigluBF16",
     "paged_jax_amx_logits_argmax_bf16": "AmxLogitsArgmaxBF16",
+    "paged_jax_f32_matmul": "F32Matmul",
+    "paged_jax_f32_swiglu": "F32Swiglu",
+    "paged_jax_f32_logits_argmax": "F32LogitsArgmax",
 }
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
