@@ -56,7 +56,7 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-WEIGHT_LAYOUTS = ("in_out", "out_in", "amx_tiles")
+WEIGHT_LAYOUTS = ("in_out", "out_in", "amx_tiles", "f32_columns")
 _WEIGHT_LAYOUT = contextvars.ContextVar("paged_jax_weight_layout", default="in_out")
 
 
@@ -66,13 +66,18 @@ def weight_layout(layout: str):
       "in_out"     [in, out], the checkpoint layout (the default);
       "out_in"     [out, in] (PyTorch's Linear layout), contracted on their last axis;
       "amx_tiles"  packed once into Intel AMX tiles (`cpu_kernels.amx_matmul.pack_weights`)
-                   and multiplied by the native AMX kernel.
+                   and multiplied by the native AMX kernel;
+      "f32_columns"  f32 [N / 16, K, 16] (`cpu_kernels.f32_matmul.pack_columns`), multiplied
+                     by the native AVX-512 FMA kernel.
     The runner's CPU serving layouts, for bf16 weights: XLA's CPU dot repacks the weights
     for AMX on every call, which in a 64-row SmolLM2 decode step cost about as much as the
     matmuls. Packing [out, in] is the cheaper repack (`python -m experiments.weight_layout`:
-    bf16 64-row dots 1.33x faster for gate/up, 1.73x for down; f32 0.9-1.06x, so f32 keeps
-    [in, out]), and packing once removes it ("amx_tiles": 1.13-1.50x over "out_in" at 64
-    and 1024 rows, same record)."""
+    bf16 64-row dots 1.20x faster for gate/up, 1.67x for down; f32 gains nothing from
+    [out, in]), and packing once removes it ("amx_tiles": 1.06-1.63x over "out_in" at 64
+    and 1024 rows, same record). f32 weights in "f32_columns" on the FMA kernel: SmolLM2's
+    64-row projections 1.10-1.38x faster than XLA's dot on [in, out], 0.89-1.10x at 1024
+    rows (same record); the kernel also fuses q/k/v into one call and SwiGLU's product into
+    its epilogue, which the record's single dots do not show."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     token = _WEIGHT_LAYOUT.set(layout)
@@ -95,6 +100,9 @@ def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     if layout == "amx_tiles":
         from cpu_kernels.amx_matmul import amx_matmul
         return amx_matmul(x, w)
+    if layout == "f32_columns":
+        from cpu_kernels.f32_matmul import f32_matmul
+        return f32_matmul(x.astype(jnp.float32), w)
     if layout == "out_in":
         return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
@@ -102,12 +110,15 @@ def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
 
 
 def dense_many(x: jnp.ndarray, *ws: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
-    """(dense(x, w) for w in ws): under the "amx_tiles" layout one native call for all of
-    them (q, k and v: one wake-up of the kernel's threads instead of three, a 64-row decode
+    """(dense(x, w) for w in ws): under the "amx_tiles" and "f32_columns" layouts one native
+    call for all of them (q, k and v: one wake-up of the kernel's threads instead of three, a 64-row decode
     step makes 60 fewer calls on SmolLM2); elsewhere separate dots, as before."""
     if _WEIGHT_LAYOUT.get() == "amx_tiles":
         from cpu_kernels.amx_matmul import amx_matmul_many
         return amx_matmul_many(x, *ws)
+    if _WEIGHT_LAYOUT.get() == "f32_columns":
+        from cpu_kernels.f32_matmul import f32_matmul_many
+        return f32_matmul_many(x.astype(jnp.float32), *ws)
     return tuple(dense(x, w) for w in ws)
 
 
@@ -116,10 +127,14 @@ def swiglu(x: jnp.ndarray, w_gate: jnp.ndarray, w_up: jnp.ndarray) -> jnp.ndarra
     layout one native call that keeps both f32 products in registers and returns them
     combined in bf16, the dtype the down projection's kernel reads (XLA otherwise writes
     two f32 [tokens, intermediate] arrays and reads them back: 6.3 MB each per layer in a
-    1024-token SmolLM2 prefill chunk); elsewhere in float32 from `dense`, as before."""
+    1024-token SmolLM2 prefill chunk); under "f32_columns" the same, returned in f32;
+    elsewhere in float32 from `dense`, as before."""
     if _WEIGHT_LAYOUT.get() == "amx_tiles":
         from cpu_kernels.amx_matmul import amx_swiglu
         return amx_swiglu(x, w_gate, w_up)
+    if _WEIGHT_LAYOUT.get() == "f32_columns":
+        from cpu_kernels.f32_matmul import f32_swiglu
+        return f32_swiglu(x.astype(jnp.float32), w_gate, w_up)
     return jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)
 
 

@@ -77,14 +77,18 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what De
 
 def layer_matrices_as(params: Params, layout: str) -> Params:
     """Every layer's projection matrices in `layout` (see `decoder.weight_layout`): "out_in"
-    transposes them, "amx_tiles" packs them for the AMX kernel. Works on stacked layers and
-    on unstack_layers' per-layer dicts; copies, so the caller's arrays are untouched."""
+    transposes them, "amx_tiles" packs them for the AMX kernel, "f32_columns" for the FMA
+    one. Works on stacked layers and on unstack_layers' per-layer dicts; copies, so the
+    caller's arrays are untouched."""
     if layout == "in_out":
         return params
     if layout == "out_in":
         convert = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
-    elif layout == "amx_tiles":
-        from cpu_kernels.amx_matmul import pack_weights
+    elif layout in ("amx_tiles", "f32_columns"):
+        if layout == "amx_tiles":
+            from cpu_kernels.amx_matmul import pack_weights
+        else:
+            from cpu_kernels.f32_matmul import pack_columns as pack_weights
         convert = lambda a: pack_weights(a) if a.ndim == 2 else jnp.stack([pack_weights(m) for m in a])  # noqa: E731
     else:
         raise ValueError(f"unknown weight layout {layout!r}")

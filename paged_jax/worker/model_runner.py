@@ -6,12 +6,12 @@ cache donated: the model over the new tokens (K/V written at their slots, attent
 through the block tables) and logits for each row's last token; then the step's head, a
 jitted call of its own (`step_head.py` says why): greedy rows take the argmax, and only a
 batch with a sampled row runs the sampler with its per-row parameters. Where the LM head
-runs on the AMX kernel, that kernel also returns each row's argmax, and a batch that is
-all greedy and asks for no logprobs takes it and skips the head call (`_native_greedy`). Copy-on-write
-block copies run as their own jitted call, only in steps that have any (the batch's copy
+runs on a native kernel (AMX for bf16, AVX-512 FMA for f32), that kernel also returns each
+row's argmax, and a batch that is all greedy and asks for no logprobs takes it and skips
+the head call (`_native_greedy`). Copy-on-write block copies run as their own jitted call, only in steps that have any (the batch's copy
 list is padded to max_num_seqs entries; copying the padding inside every step cost 36 ms
 at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`). On CPU the layers'
-bf16 matrices are held in a serving layout (`_serving_weight_layout`).
+bf16 and f32 matrices are held in a serving layout (`_serving_weight_layout`).
 Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
 compiles afterwards.
 
@@ -87,7 +87,8 @@ class ModelRunner(BlockMovesMixin):
         self.weight_layout = self._serving_weight_layout(params, model_class, mesh)
         self.params = layer_matrices_as(self.params, self.weight_layout)
         # with packed layers, the LM head too (its own copy: the embedding also serves the token lookup)
-        self.packed_head = self._packed_head(params, model_class) if self.weight_layout == "amx_tiles" else None
+        self.packed_head = (self._packed_head(params, model_class, self.weight_layout)
+                            if self.weight_layout in ("amx_tiles", "f32_columns") else None)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -145,16 +146,22 @@ class ModelRunner(BlockMovesMixin):
     def _serving_weight_layout(params, model_class, mesh) -> str:
         """How the layers' matrices are held (decoder.weight_layout says why): on CPU, bf16
         weights of the stock layers are packed for the AMX kernel where the machine has AMX
-        and every matrix fits its tiles, else kept [out, in]; f32 weights (the same speed
-        either way), other platforms, tensor parallelism (its shardings follow [in, out]) and
-        layer classes with their own attention or MLP (they may multiply them any way) keep
-        [in, out]."""
+        and every matrix fits its tiles, else kept [out, in]; f32 weights are packed in
+        16-column blocks for the AVX-512 FMA kernel where the machine has AVX-512 and every
+        matrix's columns fit. Other platforms, tensor parallelism (its shardings follow
+        [in, out]), other dtypes and layer classes with their own attention or MLP (they may
+        multiply them any way) keep [in, out]."""
         layer_class = getattr(model_class, "layer_class", None)
         layers = params.get("layers", {})
         if (jax.default_backend() != "cpu" or mesh is not None or layer_class is None
                 or layer_class.attention is not DecoderLayer.attention or layer_class.mlp is not DecoderLayer.mlp
                 or not all(name in layers for name in LAYER_MATRICES)
-                or layers["wq"].dtype != jnp.bfloat16):
+                or layers["wq"].dtype not in (jnp.bfloat16, jnp.float32)):
+            return "in_out"
+        if layers["wq"].dtype == jnp.float32:
+            from cpu_kernels import f32_matmul
+            if f32_matmul.supported() and all(f32_matmul.fits(layers[name][0]) for name in LAYER_MATRICES):
+                return "f32_columns"
             return "in_out"
         from cpu_kernels import amx_matmul
         if amx_matmul.supported() and all(amx_matmul.packable(layers[name][0]) for name in LAYER_MATRICES):
@@ -162,17 +169,34 @@ class ModelRunner(BlockMovesMixin):
         return "out_in"
 
     @staticmethod
-    def _packed_head(params, model_class):
-        """The LM head ([H, V]: the tied embedding transposed, or lm_head) packed for the AMX
-        kernel, for the stock `compute_logits` when the vocabulary fits the tiles; else None.
-        XLA's dot repacked the 49k x 576 embedding on every step (~10% of a 64-row SmolLM2
-        decode step in a `perf` profile, one-off)."""
-        from cpu_kernels import amx_matmul
+    def _packed_head(params, model_class, layout: str):
+        """The LM head ([H, V]: the tied embedding transposed, or lm_head) packed for the
+        layers' native kernel (`layout` "amx_tiles" or "f32_columns"), for the stock
+        `compute_logits` when the vocabulary fits its blocks; else None. XLA's dot repacked
+        the 49k x 576 embedding on every step (~10% of a 64-row SmolLM2 decode step in a
+        `perf` profile, one-off); f32's FMA kernel on the packed copy also returns each row's
+        argmax, as the AMX one does."""
         if model_class.compute_logits is not LlamaDecoder.compute_logits:
             return None
         head = params.get("lm_head")
         head = params["embed"].T if head is None else head
+        if layout == "f32_columns":
+            from cpu_kernels import f32_matmul
+            return f32_matmul.pack_columns(head) if f32_matmul.fits(head) and head.dtype == jnp.float32 else None
+        from cpu_kernels import amx_matmul
         return amx_matmul.pack_weights(head) if amx_matmul.packable(head) else None
+
+    @staticmethod
+    def _native_logits(hidden, packed_head, argmax: bool):
+        """hidden @ the packed head on its kernel (the packing says which): the logits, and
+        with `argmax` each row's argmax and its logit too."""
+        if packed_head.dtype == jnp.float32:
+            from cpu_kernels import f32_matmul
+            kernel = f32_matmul.f32_logits_argmax if argmax else f32_matmul.f32_matmul
+        else:
+            from cpu_kernels import amx_matmul
+            kernel = amx_matmul.amx_logits_argmax if argmax else amx_matmul.amx_matmul
+        return kernel(hidden, packed_head)
 
     # ---- device functions -------------------------------------------------------------
     def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer):
@@ -195,8 +219,7 @@ class ModelRunner(BlockMovesMixin):
                 hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
         greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`_native_greedy`)
         if packed_head is not None:
-            from cpu_kernels.amx_matmul import amx_logits_argmax
-            logits, *greedy = amx_logits_argmax(hidden[batch.logits_indices], packed_head)
+            logits, *greedy = self._native_logits(hidden[batch.logits_indices], packed_head, argmax=True)
         else:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
@@ -210,8 +233,7 @@ class ModelRunner(BlockMovesMixin):
         self.num_compilations += 1
         model = nnx.merge(self.graphdef, restack_layers(params) if self.unroll_layers else params)
         if packed_head is not None:
-            from cpu_kernels.amx_matmul import amx_matmul
-            logits = amx_matmul(hidden, packed_head)
+            logits = self._native_logits(hidden, packed_head, argmax=False)
         else:
             logits = model.compute_logits(hidden)
         if self.mesh is not None:
@@ -250,7 +272,7 @@ class ModelRunner(BlockMovesMixin):
         return buffer
 
     def _native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
-        """The step's result straight from the head kernel's argmax (`amx_logits_argmax`), for
+        """The step's result straight from the head kernel's argmax (`_native_logits`), for
         a batch that `greedy_head` would serve with nothing else to compute: every row greedy,
         no token bitmask, no logprobs asked (`want_top` 0, so its logprobs are the tokens' raw
         logits and its top-K zeros, as here). The tokens are the first maximum of the very
