@@ -22,9 +22,11 @@ max(decode_seqs) rows). Per step it reports
   ceiling_gflops   the measured matmul rate at the step's row count (sequences for decode,
                    tokens for prefill) on MLP-shaped matmuls ([rows, H] x [H, I] and
                    [rows, I] x [I, H]) with num_layers distinct weights of each, so they
-                   come from memory: float32 XLA's jnp.dot; bfloat16 the fastest of XLA's
-                   bf16 x bf16 -> f32 dot ([in, out] and [out, in] weights) and the AMX
-                   kernel on packed weights (cpu_kernels/amx_matmul.py, where supported)
+                   come from memory: float32 the faster of XLA's jnp.dot and the FMA
+                   kernel on 16-column blocks (cpu_kernels/f32_matmul.py, where
+                   supported); bfloat16 the fastest of XLA's bf16 x bf16 -> f32 dot
+                   ([in, out] and [out, in] weights) and the AMX kernel on packed weights
+                   (cpu_kernels/amx_matmul.py, where supported)
   bytes_moved      the weights the step reads (layer matrices and the LM head, in their
                    served dtype and layout) plus the K/V it reads (every sequence's
                    context, every layer), against a measured read bandwidth (a jitted
@@ -145,7 +147,7 @@ def matmul_ceiling(cfg, dtype: str, rows: int, rounds: int, rng) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from cpu_kernels import amx_matmul
+    from cpu_kernels import amx_matmul, f32_matmul
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     ups = [jnp.asarray(rng.standard_normal((h, i)) * 0.02, dtype) for _ in range(n)]
     downs = [jnp.asarray(rng.standard_normal((i, h)) * 0.02, dtype) for _ in range(n)]
@@ -162,6 +164,9 @@ def matmul_ceiling(cfg, dtype: str, rows: int, rounds: int, rng) -> dict:
         if amx_matmul.supported() and amx_matmul.packable(ups[0]) and amx_matmul.packable(downs[0]):
             variants["amx_tiles"] = (dots(amx_matmul.amx_matmul), [amx_matmul.pack_weights(w) for w in ups],
                                      [amx_matmul.pack_weights(w) for w in downs])
+    if dtype == "float32" and f32_matmul.supported() and f32_matmul.fits(ups[0]) and f32_matmul.fits(downs[0]):
+        variants["f32_columns"] = (dots(f32_matmul.f32_matmul), [f32_matmul.pack_columns(w) for w in ups],
+                                   [f32_matmul.pack_columns(w) for w in downs])
     for fn, u, d in variants.values():
         jax.block_until_ready(fn(x, xi, u, d))
     best = {v: float("inf") for v in variants}

@@ -14,13 +14,15 @@ separately jitted functions with the engine's own code:
   layers_unroll        replaced by the identity, as one lax.scan over the stacked layers and
   layers_served        unrolled over per-layer arrays (layer_loop "scan" / "unroll"), and
                        unrolled in the runner's CPU serving weight layout (bf16: packed for
-                       the AMX kernel where the CPU has AMX, else [out, in]; f32: as stored)
+                       the AMX kernel where the CPU has AMX, else [out, in]; f32: packed for
+                       the FMA kernel where the CPU has AVX-512, else as stored)
   attention_*          every layer's attention over a pool holding all layers' blocks (as
                        the engine's cache does, so K/V come from memory, not cache): the
                        native C++ kernel, the ragged Pallas kernel (interpret mode on CPU),
                        its jnp reference and the XLA chunked decode loop
   logits               the head matmul for the batch's rows ([S, H] x [H, V]), and (served) on
-  logits_served        the AMX kernel with the head packed once where the runner does that
+  logits_served        the native kernel (AMX for bf16, FMA for f32) on the head packed once,
+                       with its per-row argmax, where the runner does that
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
   sample_greedy        sample_tokens with temperature 0
   matmul_ceiling       one [S, H] x [H, I] matmul's FLOP rate, scaled to the model's FLOPs
@@ -72,7 +74,6 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
 
     from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
     from paged_jax.attention.chunked_attention import chunked_decode_attention
-    from cpu_kernels.amx_matmul import amx_matmul
     from paged_jax.model.decoder import LlamaDecoder, dense, weight_layout
     from paged_jax.model.functional import layer_matrices_as, restack_layers, split_model, unstack_layers
     from paged_jax.worker.model_runner import ModelRunner
@@ -96,17 +97,19 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     def compute_logits(p, h):
         return nnx.merge(graphdef, p).compute_logits(h)
 
-    # the runner's CPU serving layout: bf16 matrices packed for the AMX kernel (or [out, in]), the head too
+    # the runner's CPU serving layout: bf16 matrices packed for the AMX kernel (or [out, in]), f32 ones
+    # for the FMA kernel, the head too
     layout = ModelRunner._serving_weight_layout(params, LlamaDecoder, None)
     served = layer_matrices_as(per_layer, layout)
-    packed_head = ModelRunner._packed_head(params, LlamaDecoder) if layout == "amx_tiles" else None
+    packed_head = (ModelRunner._packed_head(params, LlamaDecoder, layout)
+                   if layout in ("amx_tiles", "f32_columns") else None)
 
     def layers_served_fn(p, i, s):
         with weight_layout(layout):
             return nnx.merge(graphdef, restack_layers(p))(i, s, {}, None, identity, unroll_layers=True)[0]
 
     def logits_served_fn(p, head, h):
-        return compute_logits(p, h) if head is None else amx_matmul(h, head)
+        return compute_logits(p, h) if head is None else ModelRunner._native_logits(h, head, argmax=True)
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = 1 + n * blocks_per_seq  # per layer; the pool holds every layer's, as the engine's cache
     kv_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

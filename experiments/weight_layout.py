@@ -1,4 +1,4 @@
-"""Which weight layout makes CPU matmuls fastest: [in, out], [out, in], or AMX tiles packed once.
+"""Which weight layout makes CPU matmuls fastest: [in, out], [out, in], or packed once for a native kernel.
 
     python -m experiments.weight_layout             # SmolLM2's projection shapes, bf16 and f32
     python -m experiments.weight_layout --rounds=3  # faster, noisier
@@ -9,8 +9,9 @@ time as the matmuls themselves), and the repacking of an [out, in] matrix is a c
 transpose; packing once (cpu_kernels/amx_matmul.cc, bf16 on AMX machines) removes it. For
 each SmolLM2-135M projection shape and row count this times 30 distinct weights (like 30
 layers, so they come from memory, not cache) as x @ w with w [in, out], as a dot_general
-over w's last axis with w [out, in], and (bf16, where AMX runs) as the AMX kernel on
-packed weights, alternating them in --rounds rounds (the machine's speed drifts; a paired
+over w's last axis with w [out, in], (bf16, where AMX runs) as the AMX kernel on packed
+weights, and (f32, where AVX-512 runs) as the FMA kernel on 16-column blocks
+(cpu_kernels/f32_matmul.cc), alternating them in --rounds rounds (the machine's speed drifts; a paired
 comparison per round survives that) and keeping each one's fastest round. Writes
 experiments/results/weight_layout.json; the runner's CPU serving layout
 (`paged_jax.model.decoder.weight_layout`) follows it.
@@ -53,8 +54,9 @@ def main(argv):
     in_out = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32) for w in ws])
     out_in = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
                                                         preferred_element_type=jnp.float32) for w in ws])
-    from cpu_kernels import amx_matmul
+    from cpu_kernels import amx_matmul, f32_matmul
     amx = jax.jit(lambda x, ws: [amx_matmul.amx_matmul(x, w) for w in ws])
+    fma = jax.jit(lambda x, ws: [f32_matmul.f32_matmul(x, w) for w in ws])
     rows = []
     for dtype in _DTYPES.value:
         for name, (k, n) in SHAPES.items():
@@ -62,6 +64,8 @@ def main(argv):
             variants = {"in_out": (in_out, weights), "out_in": (out_in, [w.T.copy() for w in weights])}
             if dtype == "bfloat16" and amx_matmul.supported():
                 variants["amx_tiles"] = (amx, [amx_matmul.pack_weights(w) for w in weights])
+            if dtype == "float32" and f32_matmul.supported():
+                variants["f32_columns"] = (fma, [f32_matmul.pack_columns(w) for w in weights])
             for m in map(int, _ROWS.value):
                 x = jnp.asarray(rng.standard_normal((m, k)), dtype)
                 for fn, ws in variants.values():
@@ -79,6 +83,8 @@ def main(argv):
                 row["rounds_out_in_faster"] = sum(b < a for a, b in zip(times["in_out"], times["out_in"]))
                 if "amx_tiles" in times:
                     row["amx_tiles_speedup_over_out_in"] = round(min(times["out_in"]) / min(times["amx_tiles"]), 3)
+                if "f32_columns" in times:
+                    row["f32_columns_speedup_over_in_out"] = round(min(times["in_out"]) / min(times["f32_columns"]), 3)
                 rows.append(row)
                 print(f"{dtype:<9} {name:<18} rows {m:<5} " + "  ".join(
                     f"{v} {row[v + '_gflops']:6.0f}" for v in times) + " GFLOP/s", flush=True)

@@ -75,7 +75,7 @@ def weight_layout(record: dict) -> list:
     out = []
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         mine = [r for r in rows if r["dtype"] == dtype]
-        layouts = [v for v in ("in_out", "out_in", "amx_tiles") if f"{v}_gflops" in mine[0]]
+        layouts = [v for v in ("in_out", "out_in", "amx_tiles", "f32_columns") if f"{v}_gflops" in mine[0]]
         value = "; ".join(f"{r['shape']} x {r['rows']} rows: " + rr._join((r[f"{v}_gflops"] for v in layouts), "{:.0f}")
                           for r in mine)
         out.append((f"matmul GFLOP/s on this CPU, {dtype} weights, 30 distinct weights per shape (from memory), "
