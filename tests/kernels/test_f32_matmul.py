@@ -73,14 +73,14 @@ def test_several_weights_in_one_call_match_xla_dots():
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=2e-6 * 96)
 
 
-@pytest.mark.parametrize("rows", [1, 45, 300])
-def test_swiglu_matches_silu_of_gate_times_up(rows):
+@pytest.mark.parametrize("rows,k", [(1, 64), (45, 64), (300, 64), (270, 400)])  # 400: K in slices
+def test_swiglu_matches_silu_of_gate_times_up(rows, k):
     if not HAS_AVX512:
         assert not f32_matmul.supported()
         return
     rng = np.random.default_rng(rows)
-    gate, up = (jnp.asarray(rng.standard_normal((64, 80)) * 0.3, jnp.float32) for _ in range(2))
-    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((k, 80)) * 2.4 / np.sqrt(k), jnp.float32) for _ in range(2))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     got = jax.jit(f32_matmul.f32_swiglu)(x, *map(f32_matmul.pack_columns, (gate, up)))
     g = _want(x, gate)
     want = jax.nn.silu(g) * _want(x, up)
@@ -89,18 +89,18 @@ def test_swiglu_matches_silu_of_gate_times_up(rows):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,n", [(1, 48), (37, 208), (300, 96)])
-def test_logits_argmax_is_the_first_max_of_the_logits_it_returns(rows, n):
+@pytest.mark.parametrize("rows,n,k", [(1, 48, 64), (37, 208, 64), (300, 96, 64), (270, 96, 400)])
+def test_logits_argmax_is_the_first_max_of_the_logits_it_returns(rows, n, k):
     if not HAS_AVX512:
         assert not f32_matmul.supported()
         return
     from paged_jax.worker.step_head import first_max
     rng = np.random.default_rng(rows + n)
-    w = rng.standard_normal((64, n))
+    w = rng.standard_normal((k, n))
     w[:, 40] += 1.0  # large enough that the rows with all-positive x pick this column ...
     w[:, 7] = w[:, n - 3] = w[:, 40]  # ... tied with two others in every row: ties go to the least index
     w = jnp.asarray(w, jnp.float32)
-    x = rng.standard_normal((rows, 64))
+    x = rng.standard_normal((rows, k))
     x[::2] = np.abs(x[::2])  # even rows pick the tie, odd rows anything
     x = jnp.asarray(x, jnp.float32)
     logits, argmax, best = jax.jit(f32_matmul.f32_logits_argmax)(x, f32_matmul.pack_columns(w))
