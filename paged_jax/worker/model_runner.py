@@ -6,11 +6,11 @@ cache donated: the model over the new tokens (K/V written at their slots, attent
 through the block tables) and logits for each row's last token; then the step's head, a
 jitted call of its own (`step_head.py` says why): greedy rows take the argmax, and only a
 batch with a sampled row runs the sampler with its per-row parameters. Where the LM head
-runs on a native kernel (AMX for bf16, AVX-512 FMA for f32), that kernel also returns each
-row's argmax, and a batch that is all greedy and asks for no logprobs takes it and skips
-the head call (`_native_greedy`). Copy-on-write block copies run as their own jitted call, only in steps that have any (the batch's copy
-list is padded to max_num_seqs entries; copying the padding inside every step cost 36 ms
-at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`). On CPU the layers'
+runs on a native kernel (AMX for bf16, AVX-512 FMA for f32), it also returns each row's
+argmax: an all-greedy batch asking no logprobs takes it, skipping the head (`_native_greedy`).
+Copy-on-write block copies run as their own jitted call, only in steps that have any (the
+batch's copy list is padded to max_num_seqs; copying the padding inside every step cost
+36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`). On CPU the layers'
 bf16 and f32 matrices are held in a serving layout (`_serving_weight_layout`).
 Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
 compiles afterwards.
