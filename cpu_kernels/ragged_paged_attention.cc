@@ -180,10 +180,19 @@ bool attend_item(const Problem& p, const Item& item, Scratch& w) {
               s[r][off + j] = dot;
             }
           }
-        } else {  // later blocks overwrite what a block writes past its keys (bs % 16 != 0)
-          for (int64_t d = 0; d < D; ++d) std::fill(kt + d * lanes_bs, kt + (d + 1) * lanes_bs, 0.0f);
-          for (int32_t j = j0; j < j1; ++j)
-            for (int64_t d = 0; d < D; ++d) kt[d * lanes_bs + j] = to_float(keys[j * row_stride + d]);
+        } else {
+#if defined(__AVX512F__)
+          // the whole block (its rows past the context or before a window are its own: read,
+          // then masked by the softmax and never used)
+          if (bs % kLanes == 0 && D % kLanes == 0) {
+            transpose_keys(keys, row_stride, bs, D, kt, lanes_bs);
+          } else
+#endif
+          {  // later blocks overwrite what a block writes past its keys (bs % 16 != 0)
+            for (int64_t d = 0; d < D; ++d) std::fill(kt + d * lanes_bs, kt + (d + 1) * lanes_bs, 0.0f);
+            for (int32_t j = j0; j < j1; ++j)
+              for (int64_t d = 0; d < D; ++d) kt[d * lanes_bs + j] = to_float(keys[j * row_stride + d]);
+          }
           int head_rows[kMaxRows], n = 0;  // this KV head's query rows
           for (int tok = 0; tok < item.num_tokens; ++tok)
             for (int g = 0; g < group; ++g) head_rows[n++] = row_of(tok, hh, g);

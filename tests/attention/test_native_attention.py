@@ -82,6 +82,22 @@ def test_bf16_prefill_tiles_over_many_chunks(head_dim, block_size, group, window
     assert_matches_ragged_reference(got, case, jnp.bfloat16, sliding_window=window, soft_cap=cap)
 
 
+@pytest.mark.parametrize("dtype,head_dim,block_size,window", [(np.float32, 64, 16, None), (np.float32, 128, 32, 41),
+                                                               (jnp.bfloat16, 80, 32, None), (jnp.bfloat16, 80, 16, 23)])
+def test_prefill_keys_transposed_in_registers(dtype, head_dim, block_size, window):
+    """Prefill tiles whose blocks hold a multiple of 16 keys transpose each block's keys 16 x
+    16 in registers, the whole block (its rows past the context, NaN here, are scored and
+    masked): f32 caches, and bf16 ones where AMX does not take the tile (head_dim 80);
+    windows that start inside a block."""
+    rng = np.random.default_rng(head_dim + block_size)
+    lens = [300, 45, 130]
+    case = make_case(rng, context_lens=lens, q_lens=[300, 29, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, max_blocks_per_seq=-(-max(lens) // block_size) + 1, dtype=dtype,
+                     num_padding_tokens=2)
+    got = ragged_paged_attention_cpu(*ragged_args(case), sliding_window=window)
+    assert_matches_ragged_reference(got, case, dtype, sliding_window=window)
+
+
 def test_out_of_range_inputs_are_errors_not_reads():
     rng = np.random.default_rng(6)
     case = make_case(rng, context_lens=[20], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
