@@ -32,7 +32,14 @@ max(decode_seqs) rows). Per step it reports
                    context, every layer), against a measured read bandwidth (a jitted
                    max-reduce over --bandwidth_mib MiB)
 and the roofline bound max(gflop / ceiling, bytes / bandwidth) the step time is measured
-against. Writes experiments/results/<output>.json and experiments/plots/<output>.png
+against. It also reports the serial bound: the matmuls at the ceiling plus attention at
+the faster of its limits, max(attention FLOPs / ceiling, K/V bytes / bandwidth), one after
+the other, since in a decoder each layer's attention needs its q/k/v projections and its
+output feeds the next projection, so a step cannot hide its K/V reads under its matmuls
+(the weights' own reads are inside the ceiling, measured with weights from memory).
+`max_fraction_of_ceiling` (matmul time / serial bound) is then the most of the matmul
+ceiling a step of that shape can show: a decode step that reads much K/V is capped well
+below 1 however fast its kernels are. Writes experiments/results/<output>.json and experiments/plots/<output>.png
 (`python -m experiments.plots --only=roofline` redraws it from the record).
 """
 
@@ -87,6 +94,15 @@ def attention_flops(cfg, q_lens, starts) -> int:
             keys = position + 1
             visible += min(keys, cfg.sliding_window) if cfg.sliding_window else keys
     return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * visible
+
+
+def serial_bound_ms(flop: float, attention_flop: float, kv_bytes: float, ceiling_gflops: float,
+                    bandwidth_gbs: float) -> float:
+    """The step's matmuls at the ceiling, then its attention at the faster of its compute
+    and memory limits (max of the two times), added, in ms: the fastest a layer-serial step
+    can run (see the module docstring)."""
+    attention_ms = max(attention_flop / ceiling_gflops, kv_bytes / bandwidth_gbs) / 1e6
+    return flop / ceiling_gflops / 1e6 + attention_ms
 
 
 def kv_read_bytes(cfg, contexts, itemsize: int) -> int:
@@ -226,24 +242,30 @@ def measure_dtype(model, dtype: str, bandwidth: float, rng) -> tuple[list, list]
         contexts = [s + q for q, s in zip(q_lens, starts)]
         moved = weights + kv_read_bytes(cfg, contexts, kv_itemsize)
         bound_ms = max(flop / ceiling / 1e6, moved / bandwidth / 1e6)
+        attention_flop = attention_flops(cfg, q_lens, starts)
+        serial_ms = serial_bound_ms(flop, attention_flop, moved - weights, ceiling, bandwidth)
         rows.append({
             "dtype": dtype, "kind": kind, "seqs": seqs, "tokens": tokens, "context_len": max(contexts),
             "padded_rows": padded_rows, "padded_tokens": padded_tokens, "step_ms": round(step_ms, 2),
             "gflop": round(flop / 1e9, 3),
             "gflop_executed": round(matmul_flops(cfg, padded_tokens, padded_rows) / 1e9, 3),
-            "attention_gflop": round(attention_flops(cfg, q_lens, starts) / 1e9, 4),
+            "attention_gflop": round(attention_flop / 1e9, 4),
             "achieved_gflops": round(flop / step_ms / 1e6, 1), "ceiling_gflops": ceiling,
             "fraction_of_ceiling": round(flop / step_ms / 1e6 / ceiling, 3),
             "weight_bytes": weights, "kv_read_bytes": moved - weights, "bytes_moved": moved,
             "arithmetic_intensity": round(flop / moved, 2), "achieved_gbs": round(moved / step_ms / 1e6, 2),
             "bandwidth_gbs": bandwidth, "fraction_of_bandwidth": round(moved / step_ms / 1e6 / bandwidth, 3),
             "roofline_ms": round(bound_ms, 2), "bound": "memory" if moved / bandwidth > flop / ceiling else "compute",
-            "step_over_roofline": round(step_ms / bound_ms, 2)})
+            "step_over_roofline": round(step_ms / bound_ms, 2), "serial_bound_ms": round(serial_ms, 2),
+            "step_over_serial_bound": round(step_ms / serial_ms, 2),
+            "max_fraction_of_ceiling": round(flop / ceiling / 1e6 / serial_ms, 3)})
         r = rows[-1]
         print(f"{dtype:<9} {kind:<7} seqs {seqs:>3} tokens {tokens:>5}: {r['step_ms']:8.1f} ms  "
               f"{r['achieved_gflops']:6.0f} GFLOP/s ({r['fraction_of_ceiling']:.0%} of {ceiling:.0f})  "
               f"{r['achieved_gbs']:6.1f} GB/s ({r['fraction_of_bandwidth']:.0%} of {bandwidth:.1f})  "
-              f"{r['step_over_roofline']:.1f}x the {r['bound']} bound", flush=True)
+              f"{r['step_over_roofline']:.1f}x the {r['bound']} bound, {r['step_over_serial_bound']:.2f}x the serial "
+              f"bound {r['serial_bound_ms']:.1f} ms (which caps the ceiling fraction at "
+              f"{r['max_fraction_of_ceiling']:.0%})", flush=True)
     config = llm.engine.config
     settings = {"dtype": dtype, "attention_backend": config.attention_backend, "kv_cache_dtype": config.kv_cache_dtype,
                 "layer_loop": config.layer_loop, "weight_layout": runner.weight_layout}

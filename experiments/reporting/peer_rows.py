@@ -95,15 +95,25 @@ def roofline(record: dict) -> list:
                           f"{s['achieved_gflops']:.0f} GFLOP/s ({rr._pct(s['fraction_of_ceiling'])} of "
                           f"{s['ceiling_gflops']:.0f}), {s['achieved_gbs']:.1f} GB/s "
                           f"({rr._pct(s['fraction_of_bandwidth'])}), {s['step_over_roofline']:.1f}x the {s['bound']} "
-                          f"bound" for s in mine)
+                          f"bound" + _serial(s) for s in mine)
         out.append((f"roofline of the served step, {rr.model_label(fig.get('model'))}, {dtype} (weights "
                     f"{mine[0].get('weight_layout')}, KV {mine[0].get('kv_cache_dtype')}), decode at "
                     f"{record['flags'].get('context_len')} context tokens and prefill chunks, {shapes}: step time, "
                     f"matmul GFLOP/s (of the measured matmul ceiling at the step's rows), GB/s of weights + KV read "
                     f"(of "
-                    f"{fig['bandwidth_gbs']:.1f} GB/s measured read bandwidth), step time / roofline bound",
+                    f"{fig['bandwidth_gbs']:.1f} GB/s measured read bandwidth), step time / roofline bound"
+                    + (", step time / serial bound (matmuls at the ceiling, then attention at bandwidth or ceiling) "
+                       "and the ceiling fraction that bound allows" if any("serial_bound_ms" in s for s in mine) else ""),
                     value + rr._cpu_note(record)))
     return out
+
+
+def _serial(step: dict) -> str:
+    """The serial-bound part of a roofline step's text (records before it have none)."""
+    if "serial_bound_ms" not in step:
+        return ""
+    return (f", {step['step_over_serial_bound']:.2f}x the serial bound (which allows "
+            f"{rr._pct(step['max_fraction_of_ceiling'])})")
 
 
 def bf16_agreement(record: dict) -> list:

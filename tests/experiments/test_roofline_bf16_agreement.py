@@ -28,6 +28,10 @@ print(json.dumps({
     # 3 query tokens at positions 0..2 see 1 + 2 + 3 keys; one decode token at position 9 sees 10
     "attention": r.attention_flops(cfg, [3, 1], [0, 9]) == 4 * 30 * 9 * 64 * 16,
     "kv": r.kv_read_bytes(cfg, [10, 6], 2) == 2 * 30 * 3 * 64 * 2 * 16,
+    # 100 GFLOP at 200 GFLOP/s = 500 ms, then attention: 2 GFLOP at 200 = 10 ms vs 1 GB at 20 GB/s = 50 ms
+    "serial_memory": abs(r.serial_bound_ms(100e9, 2e9, 1e9, 200.0, 20.0) - 550.0) < 1e-9,
+    # 40 GFLOP of attention = 200 ms beats 1 GB at 20 GB/s
+    "serial_compute": abs(r.serial_bound_ms(100e9, 40e9, 1e9, 200.0, 20.0) - 700.0) < 1e-9,
 }))
 """
 _AGREEMENT = r"""
@@ -47,7 +51,8 @@ def _run(code: str) -> dict:
 
 
 def test_roofline_counts():
-    assert _run(_ROOFLINE) == {"decode": True, "prefill_head_once": True, "attention": True, "kv": True}
+    assert _run(_ROOFLINE) == {"decode": True, "prefill_head_once": True, "attention": True, "kv": True,
+                               "serial_memory": True, "serial_compute": True}
 
 
 def test_output_agreement_and_logit_closeness():
@@ -67,7 +72,8 @@ def _roofline_record():
                 "achieved_gflops": gflops, "ceiling_gflops": ceiling, "fraction_of_ceiling": gflops / ceiling,
                 "achieved_gbs": 15.0, "fraction_of_bandwidth": 15.0 / 21.0, "arithmetic_intensity": ai,
                 "step_over_roofline": 1.5, "bound": "memory" if kind == "decode" else "compute",
-                "weight_layout": "amx_tiles" if dtype == "bfloat16" else "in_out", "kv_cache_dtype": dtype}
+                "weight_layout": "amx_tiles" if dtype == "bfloat16" else "in_out", "kv_cache_dtype": dtype,
+                "serial_bound_ms": ms / 1.25, "step_over_serial_bound": 1.25, "max_fraction_of_ceiling": 0.6}
     steps = [step("float32", "decode", 8, 8, 30.0, 3.5, 60.0, 150.0),
              step("float32", "prefill", 1, 1024, 900.0, 400.0, 240.0, 250.0),
              step("bfloat16", "decode", 8, 8, 20.0, 7.0, 90.0, 300.0),
@@ -83,7 +89,9 @@ def test_roofline_rows_and_plot(tmp_path):
     record = _roofline_record()
     rows = results_rows.BUILDERS["roofline"](record)
     assert [f.split(", ")[2].split(" ")[0] for f, _ in rows] == ["float32", "bfloat16"]
-    assert rows[1][1].startswith("decode 8: 20.0 ms, 90 GFLOP/s (30.0% of 300), 15.0 GB/s (71.4%), 1.5x the memory")
+    assert rows[1][1].startswith("decode 8: 20.0 ms, 90 GFLOP/s (30.0% of 300), 15.0 GB/s (71.4%), 1.5x the memory "
+                                 "bound, 1.25x the serial bound (which allows 60.0%)")
+    assert "serial bound (matmuls at the ceiling" in rows[1][0]
     assert "prefill 1024: 500.0 ms, 430 GFLOP/s (43.0% of 1000)" in rows[1][1]
     path = plots.roofline(record, str(tmp_path))
     assert path == str(tmp_path / "roofline.png") and os.path.getsize(path) > 5_000
