@@ -39,7 +39,13 @@ output feeds the next projection, so a step cannot hide its K/V reads under its 
 (the weights' own reads are inside the ceiling, measured with weights from memory).
 `max_fraction_of_ceiling` (matmul time / serial bound) is then the most of the matmul
 ceiling a step of that shape can show: a decode step that reads much K/V is capped well
-below 1 however fast its kernels are. Writes experiments/results/<output>.json and experiments/plots/<output>.png
+below 1 however fast its kernels are.
+
+Each step shape runs --rounds rounds, each timing the step (median of --iters), then the
+ceiling's variants and the read bandwidth once: this host's speed drifts by 15-30% over
+minutes, and a ceiling measured minutes away from its step made a fraction move by as
+much. Step time, ceiling and bandwidth are the medians over the rounds; each fraction and
+ratio is the median of the rounds' own (the record keeps every round). Writes experiments/results/<output>.json and experiments/plots/<output>.png
 (`python -m experiments.plots --only=roofline` redraws it from the record).
 """
 
@@ -59,8 +65,10 @@ _PREFILL_SEQS = flags.DEFINE_integer("prefill_seqs", 1, "Sequences a prefill chu
 _CONTEXT_LEN = flags.DEFINE_integer("context_len", 256, "Tokens in the cache of every decoding sequence "
                                                         "(the new one included).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
-_ITERS = flags.DEFINE_integer("iters", 5, "Timed steps per shape (median), after one warm-up step.")
-_ROUNDS = flags.DEFINE_integer("rounds", 4, "Alternating rounds of the ceiling's matmul variants (fastest kept).")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed steps per round (median), after one warm-up step.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per step shape: each times the step (median of --iters), then "
+                                           "the ceiling's matmul variants and the read bandwidth once; a fraction "
+                                           "is the median of the rounds' own fractions.")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array the read-bandwidth probe reduces.")
 _OUTPUT = flags.DEFINE_string("output", "roofline", "Result name: experiments/results/<output>.json (and the plot's).")
 
@@ -157,62 +165,84 @@ def build_batch(runner, q_lens, starts, rng):
     return batch
 
 
-def matmul_ceiling(cfg, dtype: str, rows: int, rounds: int, rng) -> dict:
-    """GFLOP/s of MLP-shaped matmuls at `rows` rows, num_layers distinct weights per shape,
-    per variant (fastest of `rounds` alternating rounds), and the best of them."""
-    import jax
-    import jax.numpy as jnp
+class MatmulCeiling:
+    """The matmul ceiling of one dtype: MLP-shaped matmuls ([rows, H] x [H, I] and [rows, I]
+    x [I, H]) with num_layers distinct weights of each, so they come from memory, in every
+    variant this machine has: float32 XLA's jnp.dot and the FMA kernel on 16-column blocks
+    (cpu_kernels/f32_matmul.py, where supported); bfloat16 XLA's bf16 x bf16 -> f32 dot on
+    [in, out] and [out, in] weights and the AMX kernel on packed weights
+    (cpu_kernels/amx_matmul.py, where supported). The weights are built once; `round(rows)`
+    times each variant once, so the ceiling is measured in turn with the steps it bounds."""
 
-    from cpu_kernels import amx_matmul, f32_matmul
-    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    ups = [jnp.asarray(rng.standard_normal((h, i)) * 0.02, dtype) for _ in range(n)]
-    downs = [jnp.asarray(rng.standard_normal((i, h)) * 0.02, dtype) for _ in range(n)]
-    x, xi = (jnp.asarray(rng.standard_normal((rows, k)), dtype) for k in (h, i))
+    def __init__(self, cfg, dtype: str, rng):
+        import jax
+        import jax.numpy as jnp
 
-    def dots(dot):
-        return jax.jit(lambda x, xi, ups, downs: [dot(x, w) for w in ups] + [dot(xi, w) for w in downs])
-    in_out = dots(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32))
-    variants = {"xla_in_out": (in_out, ups, downs)}
-    if dtype == "bfloat16":
-        out_in = dots(lambda a, w: jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())),
-                                                       preferred_element_type=jnp.float32))
-        variants["xla_out_in"] = (out_in, [w.T.copy() for w in ups], [w.T.copy() for w in downs])
-        if amx_matmul.supported() and amx_matmul.packable(ups[0]) and amx_matmul.packable(downs[0]):
-            variants["amx_tiles"] = (dots(amx_matmul.amx_matmul), [amx_matmul.pack_weights(w) for w in ups],
-                                     [amx_matmul.pack_weights(w) for w in downs])
-    if dtype == "float32" and f32_matmul.supported() and f32_matmul.fits(ups[0]) and f32_matmul.fits(downs[0]):
-        variants["f32_columns"] = (dots(f32_matmul.f32_matmul), [f32_matmul.pack_columns(w) for w in ups],
-                                   [f32_matmul.pack_columns(w) for w in downs])
-    for fn, u, d in variants.values():
-        jax.block_until_ready(fn(x, xi, u, d))
-    best = {v: float("inf") for v in variants}
-    for _ in range(rounds):
-        for v, (fn, u, d) in variants.items():
+        from cpu_kernels import amx_matmul, f32_matmul
+        h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+        self.shape, self.dtype, self.rng, self.inputs = (h, i, n), dtype, rng, {}
+        ups = [jnp.asarray(rng.standard_normal((h, i)) * 0.02, dtype) for _ in range(n)]
+        downs = [jnp.asarray(rng.standard_normal((i, h)) * 0.02, dtype) for _ in range(n)]
+
+        def dots(dot):
+            return jax.jit(lambda x, xi, ups, downs: [dot(x, w) for w in ups] + [dot(xi, w) for w in downs])
+        self.variants = {"xla_in_out": (dots(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)),
+                                        ups, downs)}
+        if dtype == "bfloat16":
+            out_in = dots(lambda a, w: jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())),
+                                                           preferred_element_type=jnp.float32))
+            self.variants["xla_out_in"] = (out_in, [w.T.copy() for w in ups], [w.T.copy() for w in downs])
+            if amx_matmul.supported() and amx_matmul.packable(ups[0]) and amx_matmul.packable(downs[0]):
+                self.variants["amx_tiles"] = (dots(amx_matmul.amx_matmul), [amx_matmul.pack_weights(w) for w in ups],
+                                              [amx_matmul.pack_weights(w) for w in downs])
+        if dtype == "float32" and f32_matmul.supported() and f32_matmul.fits(ups[0]) and f32_matmul.fits(downs[0]):
+            self.variants["f32_columns"] = (dots(f32_matmul.f32_matmul), [f32_matmul.pack_columns(w) for w in ups],
+                                            [f32_matmul.pack_columns(w) for w in downs])
+
+    def flop(self, rows: int) -> int:
+        h, i, n = self.shape
+        return 2 * rows * h * i * 2 * n
+
+    def round(self, rows: int) -> dict:
+        """GFLOP/s of each variant at `rows` rows, one timed call each (the first call at a
+        new row count compiles and warms up first)."""
+        import jax
+        import jax.numpy as jnp
+        if rows not in self.inputs:
+            h, i, _ = self.shape
+            self.inputs[rows] = [jnp.asarray(self.rng.standard_normal((rows, k)), self.dtype) for k in (h, i)]
+            for fn, u, d in self.variants.values():
+                jax.block_until_ready(fn(*self.inputs[rows], u, d))
+        out = {}
+        for v, (fn, u, d) in self.variants.items():
             start = time.perf_counter()
-            jax.block_until_ready(fn(x, xi, u, d))
-            best[v] = min(best[v], time.perf_counter() - start)
-    flop = 2 * rows * h * i * 2 * n
-    gflops = {v: round(flop / t / 1e9, 1) for v, t in best.items()}
-    return {"rows": rows, "dtype": dtype, "variants_gflops": gflops, "gflops": max(gflops.values()),
-            "best_variant": max(gflops, key=gflops.get)}
+            jax.block_until_ready(fn(*self.inputs[rows], u, d))
+            out[v] = self.flop(rows) / (time.perf_counter() - start) / 1e9
+        return out
 
 
-def read_bandwidth_gbs(mib: int, iters: int = 5) -> float:
-    """GB/s of a jitted max-reduce over a float32 array of `mib` MiB (fastest call)."""
-    import jax
-    import jax.numpy as jnp
-    a = jax.block_until_ready(jax.jit(lambda: jnp.arange(mib * 2**18, dtype=jnp.float32))())
-    reduce = jax.jit(jnp.max)
-    jax.block_until_ready(reduce(a))
-    best = float("inf")
-    for _ in range(max(iters, 3)):
-        start = time.perf_counter()
-        jax.block_until_ready(reduce(a))
-        best = min(best, time.perf_counter() - start)
-    return round(a.nbytes / best / 1e9, 2)
+class ReadBandwidth:
+    """GB/s of a jitted max-reduce over a float32 array of `mib` MiB (the array built once)."""
+
+    def __init__(self, mib: int):
+        import jax
+        import jax.numpy as jnp
+        self.array = jax.block_until_ready(jax.jit(lambda: jnp.arange(mib * 2**18, dtype=jnp.float32))())
+        self.reduce = jax.jit(jnp.max)
+        jax.block_until_ready(self.reduce(self.array))
+
+    def gbs(self, iters: int = 3) -> float:
+        """The fastest of `iters` calls."""
+        import jax
+        best = float("inf")
+        for _ in range(iters):
+            start = time.perf_counter()
+            jax.block_until_ready(self.reduce(self.array))
+            best = min(best, time.perf_counter() - start)
+        return self.array.nbytes / best / 1e9
 
 
-def measure_dtype(model, dtype: str, bandwidth: float, rng) -> tuple[list, list]:
+def measure_dtype(model, dtype: str, bandwidth: "ReadBandwidth", rng) -> tuple[list, list]:
     """(step rows, ceiling rows) of one engine dtype."""
     from paged_jax.engine.llm import LLM
     decode, prefill = [int(s) for s in _DECODE_SEQS.value], [int(t) for t in _PREFILL_TOKENS.value]
@@ -228,44 +258,59 @@ def measure_dtype(model, dtype: str, bandwidth: float, rng) -> tuple[list, list]
     kv_itemsize = runner.kv_cache["k"].dtype.itemsize
     cases = [("decode", [1] * n, [ctx - 1] * n) for n in decode]
     cases += [("prefill", [t // k + (j < t % k) for j in range(k)], [0] * k) for t in prefill]
-    ceilings, rows = {}, []
+    probe, ceilings, rows = MatmulCeiling(cfg, dtype, rng), {}, []
     for kind, q_lens, starts in cases:
         batch = build_batch(runner, q_lens, starts, rng)
-        step_ms = _median_ms(lambda: runner.run_batch(batch), _ITERS.value)
         seqs, tokens = len(q_lens), sum(q_lens)
-        padded_rows, padded_tokens = batch.block_tables.shape[0], batch.token_ids.shape[0]
         mm_rows = seqs if kind == "decode" else tokens
-        if mm_rows not in ceilings:
-            ceilings[mm_rows] = matmul_ceiling(cfg, dtype, mm_rows, _ROUNDS.value, rng)
-        ceiling = ceilings[mm_rows]["gflops"]
+        # in turn, so that the host's drift (+-15-30% over minutes here) moves a round's step
+        # and its ceilings together; each ratio below is the median of the rounds' ratios
+        rounds = []
+        for _ in range(_ROUNDS.value):
+            step_ms = _median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+            gflops = probe.round(mm_rows)
+            rounds.append((step_ms, max(gflops.values()), bandwidth.gbs()))
+            seen = ceilings.setdefault(mm_rows, {"rows": mm_rows, "dtype": dtype, "variants_gflops": {},
+                                                 "gflops_rounds": []})
+            seen["gflops_rounds"].append(round(max(gflops.values()), 1))
+            for v, g in gflops.items():
+                seen["variants_gflops"][v] = round(max(g, seen["variants_gflops"].get(v, 0.0)), 1)
         flop = matmul_flops(cfg, tokens, seqs)
         contexts = [s + q for q, s in zip(q_lens, starts)]
         moved = weights + kv_read_bytes(cfg, contexts, kv_itemsize)
-        bound_ms = max(flop / ceiling / 1e6, moved / bandwidth / 1e6)
         attention_flop = attention_flops(cfg, q_lens, starts)
-        serial_ms = serial_bound_ms(flop, attention_flop, moved - weights, ceiling, bandwidth)
+        med = statistics.median
+        step_ms, ceiling, gbs = (med(r[i] for r in rounds) for i in range(3))
+        serial = [serial_bound_ms(flop, attention_flop, moved - weights, c, g) for _, c, g in rounds]
+        bound_ms = max(flop / ceiling / 1e6, moved / gbs / 1e6)
         rows.append({
             "dtype": dtype, "kind": kind, "seqs": seqs, "tokens": tokens, "context_len": max(contexts),
-            "padded_rows": padded_rows, "padded_tokens": padded_tokens, "step_ms": round(step_ms, 2),
-            "gflop": round(flop / 1e9, 3),
-            "gflop_executed": round(matmul_flops(cfg, padded_tokens, padded_rows) / 1e9, 3),
+            "padded_rows": batch.block_tables.shape[0], "padded_tokens": batch.token_ids.shape[0],
+            "step_ms": round(step_ms, 2), "gflop": round(flop / 1e9, 3),
+            "gflop_executed": round(matmul_flops(cfg, batch.token_ids.shape[0], batch.block_tables.shape[0]) / 1e9, 3),
             "attention_gflop": round(attention_flop / 1e9, 4),
-            "achieved_gflops": round(flop / step_ms / 1e6, 1), "ceiling_gflops": ceiling,
-            "fraction_of_ceiling": round(flop / step_ms / 1e6 / ceiling, 3),
+            "achieved_gflops": round(flop / step_ms / 1e6, 1), "ceiling_gflops": round(ceiling, 1),
+            "fraction_of_ceiling": round(med(flop / ms / 1e6 / c for ms, c, _ in rounds), 3),
             "weight_bytes": weights, "kv_read_bytes": moved - weights, "bytes_moved": moved,
             "arithmetic_intensity": round(flop / moved, 2), "achieved_gbs": round(moved / step_ms / 1e6, 2),
-            "bandwidth_gbs": bandwidth, "fraction_of_bandwidth": round(moved / step_ms / 1e6 / bandwidth, 3),
-            "roofline_ms": round(bound_ms, 2), "bound": "memory" if moved / bandwidth > flop / ceiling else "compute",
-            "step_over_roofline": round(step_ms / bound_ms, 2), "serial_bound_ms": round(serial_ms, 2),
-            "step_over_serial_bound": round(step_ms / serial_ms, 2),
-            "max_fraction_of_ceiling": round(flop / ceiling / 1e6 / serial_ms, 3)})
+            "bandwidth_gbs": round(gbs, 2),
+            "fraction_of_bandwidth": round(med(moved / ms / 1e6 / g for ms, _, g in rounds), 3),
+            "roofline_ms": round(bound_ms, 2), "bound": "memory" if moved / gbs > flop / ceiling else "compute",
+            "step_over_roofline": round(step_ms / bound_ms, 2), "serial_bound_ms": round(med(serial), 2),
+            "step_over_serial_bound": round(med(r[0] / b for r, b in zip(rounds, serial)), 2),
+            "max_fraction_of_ceiling": round(med(flop / r[1] / 1e6 / b for r, b in zip(rounds, serial)), 3),
+            "rounds": [{"step_ms": round(ms, 2), "ceiling_gflops": round(c, 1), "bandwidth_gbs": round(g, 2)}
+                       for ms, c, g in rounds]})
         r = rows[-1]
         print(f"{dtype:<9} {kind:<7} seqs {seqs:>3} tokens {tokens:>5}: {r['step_ms']:8.1f} ms  "
               f"{r['achieved_gflops']:6.0f} GFLOP/s ({r['fraction_of_ceiling']:.0%} of {ceiling:.0f})  "
-              f"{r['achieved_gbs']:6.1f} GB/s ({r['fraction_of_bandwidth']:.0%} of {bandwidth:.1f})  "
+              f"{r['achieved_gbs']:6.1f} GB/s ({r['fraction_of_bandwidth']:.0%} of {gbs:.1f})  "
               f"{r['step_over_roofline']:.1f}x the {r['bound']} bound, {r['step_over_serial_bound']:.2f}x the serial "
               f"bound {r['serial_bound_ms']:.1f} ms (which caps the ceiling fraction at "
               f"{r['max_fraction_of_ceiling']:.0%})", flush=True)
+    for c in ceilings.values():
+        c["gflops"] = round(statistics.median(c["gflops_rounds"]), 1)
+        c["best_variant"] = max(c["variants_gflops"], key=c["variants_gflops"].get)
     config = llm.engine.config
     settings = {"dtype": dtype, "attention_backend": config.attention_backend, "kv_cache_dtype": config.kv_cache_dtype,
                 "layer_loop": config.layer_loop, "weight_layout": runner.weight_layout}
@@ -290,11 +335,12 @@ def main(argv):
     longest = max([_CONTEXT_LEN.value] + [int(t) for t in _PREFILL_TOKENS.value])
     model = load_for_benchmark(_MODEL.value, longest)
     rng = np.random.default_rng(0)
-    bandwidth = read_bandwidth_gbs(_BANDWIDTH_MIB.value)
+    bandwidth_probe = ReadBandwidth(_BANDWIDTH_MIB.value)
+    bandwidth = round(bandwidth_probe.gbs(5), 2)
     print(f"read bandwidth ({_BANDWIDTH_MIB.value} MiB max-reduce): {bandwidth:.1f} GB/s", flush=True)
     steps, ceilings = [], []
     for dtype in _DTYPES.value:
-        s, c = measure_dtype(model, dtype, bandwidth, rng)
+        s, c = measure_dtype(model, dtype, bandwidth_probe, rng)
         steps += s
         ceilings += c
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
