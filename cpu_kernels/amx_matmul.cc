@@ -37,6 +37,7 @@
 #include <mutex>
 #include <thread>
 
+#include "helper_threads.h"  // schedule_helpers
 #include "xla/ffi/api/ffi.h"
 
 #include "amx_tiles.h"  // amx_permitted, configure_tiles
@@ -225,7 +226,7 @@ void drain(Work& work) {
 void run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   const int64_t items = work->pairs * ((work->M + kPanelRows - 1) / kPanelRows);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain(*work); });
+  paged_jax_cpu::schedule_helpers(pool, work->M, helpers, [work] { drain(*work); });
   drain(*work);
   while (work->active.load() > 0 || work->next.load() < items) std::this_thread::yield();
 }

@@ -24,8 +24,8 @@ import subprocess
 import tempfile
 import warnings
 
-SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc", "f32_matmul.cc")
-HEADERS = ("attention_vectors.h", "amx_tiles.h", "attention_amx.h", "attention_problem.h", "matmul_epilogues.h")
+SOURCES = ("ragged_paged_attention.cc", "write_kv.cc", "amx_matmul.cc", "f32_matmul.cc", "helper_threads.cc")
+HEADERS = ("attention_vectors.h", "amx_tiles.h", "attention_amx.h", "attention_problem.h", "matmul_epilogues.h", "helper_threads.h")
 TARGETS = {  # FFI target name -> symbol in the library
     "paged_jax_ragged_paged_attention_f32": "RaggedPagedAttentionF32",
     "paged_jax_ragged_paged_attention_bf16": "RaggedPagedAttentionBF16",

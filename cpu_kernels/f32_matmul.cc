@@ -33,6 +33,7 @@
 #include <mutex>
 #include <thread>
 
+#include "helper_threads.h"  // schedule_helpers
 #include "xla/ffi/api/ffi.h"
 
 #include "matmul_epilogues.h"  // RowBest, offer_row, silu_times
@@ -202,7 +203,7 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
   work->items = work->pairs * ((work->M + kPanelRows - 1) / kPanelRows);
   if (work->items == 0) return;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), (work->items - 1) / 2);  // >= 2 items each
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain(*work); });
+  paged_jax_cpu::schedule_helpers(pool, work->M, helpers, [work] { drain(*work); });
   drain(*work);
   while (work->active.load() > 0 || work->next.load() < work->items) std::this_thread::yield();
 }

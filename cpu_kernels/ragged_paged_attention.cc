@@ -38,6 +38,7 @@
 #include "attention_amx.h"
 #include "attention_problem.h"
 #include "attention_vectors.h"
+#include "helper_threads.h"  // schedule_helpers
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -387,7 +388,7 @@ ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<KV> q, ffi::Buffer<K
       for (int32_t t = 0; t < q_len; t += tile) work->items.push_back({s, t, std::min(tile, q_len - t), h, 1});
   }
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size()) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { drain<T>(*work); });
+  schedule_helpers(pool, p.num_tokens, helpers, [work] { drain<T>(*work); });
   drain<T>(*work);
   while (work->active.load() > 0) std::this_thread::yield();
   if (work->failed.load()) return ffi::Error::InvalidArgument("a block table entry is out of range");
