@@ -56,6 +56,8 @@ import time
 
 from absl import app, flags
 
+from experiments.benchmarks.step_batches import build_batch, cdiv as _cdiv
+
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "EngineConfig.dtype values to measure.")
 _DECODE_SEQS = flags.DEFINE_list("decode_seqs", ["8", "32", "64"], "Sequences per decode step (one token each).")
@@ -71,10 +73,6 @@ _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per step shape: each times t
                                            "is the median of the rounds' own fractions.")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array the read-bandwidth probe reduces.")
 _OUTPUT = flags.DEFINE_string("output", "roofline", "Result name: experiments/results/<output>.json (and the plot's).")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -130,39 +128,6 @@ def served_weight_bytes(runner) -> int:
     else:
         head = (params["lm_head"] if params.get("lm_head") is not None else params["embed"]).nbytes
     return int(layers + head + params["final_norm"].nbytes)
-
-
-def build_batch(runner, q_lens, starts, rng):
-    """A BatchInputs of the engine's bucketed shape: row i has q_lens[i] new tokens from
-    position starts[i], its context in distinct shuffled blocks (as a long-running block
-    pool hands them out), slots mapped through its table as prepare_batch does."""
-    import numpy as np
-
-    from paged_jax.worker.batch_inputs import batch_shape
-    config, bs = runner.config, runner.config.block_size
-    S, T = batch_shape(config.seq_buckets, config.token_buckets, len(q_lens), sum(q_lens))
-    batch = runner.empty_batch(S, T)
-    needed = [_cdiv(s + q, bs) for q, s in zip(q_lens, starts)]
-    if sum(needed) > runner.num_blocks - 1:
-        raise ValueError(f"{sum(needed)} blocks needed, the cache has {runner.num_blocks - 1}")
-    pool = 1 + rng.permutation(runner.num_blocks - 1)
-    cursor, used = 0, 0
-    for row, (q_len, start, n_blocks) in enumerate(zip(q_lens, starts, needed)):
-        table = np.zeros(runner.max_blocks_per_seq, np.int32)
-        table[:n_blocks] = pool[used:used + n_blocks]
-        used += n_blocks
-        positions = np.arange(start, start + q_len, dtype=np.int32)
-        span = slice(cursor, cursor + q_len)
-        batch.token_ids[span] = rng.integers(3, runner.model_config.vocab_size, q_len)
-        batch.positions[span] = positions
-        batch.slot_mapping[span] = table[positions // bs] * bs + positions % bs
-        batch.block_tables[row] = table
-        batch.context_lens[row] = start + q_len
-        cursor += q_len
-        batch.query_start_loc[row + 1] = cursor
-        batch.logits_indices[row] = cursor - 1
-    batch.query_start_loc[len(q_lens) + 1:] = cursor
-    return batch
 
 
 class MatmulCeiling:

@@ -332,7 +332,7 @@ from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulatio
 from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
 from experiments.reporting import simulator_rows  # noqa: E402  (the simulator's profile)
 from experiments.reporting import kernel_rows  # noqa: E402  (the kernels', CPU or GPU)
-from experiments.reporting.step_rows import (host_time_vs_output_len, step_profile,  # noqa: E402
+from experiments.reporting.step_rows import (helper_threads, host_time_vs_output_len, step_profile,  # noqa: E402
                                              step_shape_costs, step_time_vs_cache_size)
 
 # experiments module -> builder, in the table's order
@@ -342,7 +342,8 @@ BUILDERS = {
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
     "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
-    "roofline": roofline, "bf16_agreement": bf16_agreement, "lm_eval_run": eval_rows.lm_eval_run,
+    "roofline": roofline, "helper_threads": helper_threads, "bf16_agreement": bf16_agreement,
+    "lm_eval_run": eval_rows.lm_eval_run,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,

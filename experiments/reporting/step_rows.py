@@ -1,6 +1,7 @@
 """README rows of the step-cost records: a decode step by part (step_profile), by KV pool
-size (step_time_vs_cache_size), by padded shape (step_shape_costs), and the host's share
-late in long outputs (host_time_vs_output_len).
+size (step_time_vs_cache_size), by padded shape (step_shape_costs), the host's share
+late in long outputs (host_time_vs_output_len), and with or without the native kernels'
+spinning helper threads (helper_threads).
 
 Split from results_rows.py (which imports these into its BUILDERS after defining the
 shared helpers, `rr.*` here, read at call time).
@@ -66,3 +67,20 @@ def host_time_vs_output_len(record: dict) -> list:
                                + (f"(device {r['device_ms_median']:.0f} ms)" if runner == "model" else "")
                                for r in rows)))
     return out
+
+
+def helper_threads(record: dict) -> list:
+    """Served step times per helper spin window (the first the baseline), with the
+    speedups as medians of the rounds' ratios."""
+    fig, flags = record["figures"], record["flags"]
+    steps = fig["steps"]
+    windows = [int(w) for w in flags["spin_us"]]
+    words = " / ".join("XLA's pool" if w == 0 else f"{w} us" for w in windows)
+    value = "; ".join(
+        f"{s['dtype']} {s['kind']} {s['seqs'] if s['kind'] == 'decode' else s['tokens']}: "
+        + " / ".join(f"{s['windows'][str(w)]['step_ms']:.1f}" for w in windows) + " ms"
+        + "".join(f" ({s['windows'][str(w)]['speedup']:.2f}x)" for w in windows[1:]) for s in steps)
+    return [(f"served step by the native kernels' helper threads, {rr.model_label(fig.get('model'))}, decode at "
+             f"{flags.get('context_len')} context tokens and prefill chunks, {flags.get('rounds')} alternating rounds: "
+             f"step ms with {words} (speedup over the first, median of the rounds' ratios)",
+             value + rr._cpu_note(record))]
