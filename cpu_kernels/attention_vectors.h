@@ -126,29 +126,29 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// v[i][j] -> v[j][i] for a 16 x 16 block of f32 (v[i]: row i), in registers: pairs of
-// rows, then quads, interleave within each 128-bit chunk; chunks then go across rows.
-inline void transpose16(__m512* v) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i)
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) {  // v[4i + c] chunk k: rows 4i..4i+3 at column 4k + c
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+// The 16 x 16 matrix of 32-bit words in r[0..16) transposed in place (f32 keys here, bf16
+// pairs in attention_amx.h).
+inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  for (int c = 0; c < 4; ++c) {  // column 4k + c: chunk k of v[c], v[4 + c], v[8 + c], v[12 + c]
-    const __m512 a = _mm512_shuffle_f32x4(v[c], v[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 b = _mm512_shuffle_f32x4(v[c], v[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512 e = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 f = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    t[c] = _mm512_shuffle_f32x4(a, e, _MM_SHUFFLE(2, 0, 2, 0));
-    t[8 + c] = _mm512_shuffle_f32x4(a, e, _MM_SHUFFLE(3, 1, 3, 1));
-    t[4 + c] = _mm512_shuffle_f32x4(b, f, _MM_SHUFFLE(2, 0, 2, 0));
-    t[12 + c] = _mm512_shuffle_f32x4(b, f, _MM_SHUFFLE(3, 1, 3, 1));
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
 }
 
 // kt[d * kt_stride + j] = keys[j * stride + d] as f32 for j < rows, d < D (rows, D
@@ -156,12 +156,12 @@ inline void transpose16(__m512* v) {
 // prefill tiles' scores (the scalar loop it replaces was a third of the f32 kernel's own time).
 template <typename T>
 inline void transpose_keys(const T* keys, int64_t stride, int32_t rows, int64_t D, float* kt, int32_t kt_stride) {
-  __m512 v[kLanes];
+  __m512i v[kLanes];
   for (int32_t j = 0; j < rows; j += kLanes) {
     for (int64_t d = 0; d < D; d += kLanes) {
-      for (int i = 0; i < kLanes; ++i) v[i] = load16(keys + (j + i) * stride + d);
-      transpose16(v);
-      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt + (d + i) * kt_stride + j, v[i]);
+      for (int i = 0; i < kLanes; ++i) v[i] = _mm512_castps_si512(load16(keys + (j + i) * stride + d));
+      transpose16x16_epi32(v);
+      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt + (d + i) * kt_stride + j, _mm512_castsi512_ps(v[i]));
     }
   }
 }

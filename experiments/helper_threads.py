@@ -20,11 +20,10 @@ the median of the rounds' own ratios. Writes experiments/results/<output>.json.
 from __future__ import annotations
 
 import statistics
-import time
 
 from absl import app, flags
 
-from experiments.benchmarks.step_batches import build_batch, cdiv
+from experiments.benchmarks.step_batches import build_batch, median_ms, cdiv
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "EngineConfig.dtype values to measure.")
@@ -36,16 +35,6 @@ _SPIN_US = flags.DEFINE_list("spin_us", ["0", "300"], "Helper spin windows in mi
 _ROUNDS = flags.DEFINE_integer("rounds", 6, "Rounds; each times every window once.")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed steps per window and round (median), after one untimed step.")
 _OUTPUT = flags.DEFINE_string("output", "helper_threads", "Result name: experiments/results/<output>.json.")
-
-
-def _median_ms(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def summarize(kind: str, seqs: int, tokens: int, windows: list[int], rounds: list[dict]) -> dict:
@@ -83,7 +72,7 @@ def measure_dtype(model, dtype: str, windows: list[int], rng) -> list:
                 times = {}
                 for w in windows:
                     helper_threads.set_spin_us(w)
-                    times[w] = _median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+                    times[w] = median_ms(lambda: runner.run_batch(batch), _ITERS.value)
                 rounds.append(times)
             rows.append(dict(summarize(kind, len(q_lens), sum(q_lens), windows, rounds), dtype=dtype))
             r = rows[-1]["windows"]

@@ -56,7 +56,7 @@ import time
 
 from absl import app, flags
 
-from experiments.benchmarks.step_batches import build_batch, cdiv as _cdiv
+from experiments.benchmarks.step_batches import build_batch, median_ms, cdiv as _cdiv
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "EngineConfig.dtype values to measure.")
@@ -73,16 +73,6 @@ _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per step shape: each times t
                                            "is the median of the rounds' own fractions.")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Size of the array the read-bandwidth probe reduces.")
 _OUTPUT = flags.DEFINE_string("output", "roofline", "Result name: experiments/results/<output>.json (and the plot's).")
-
-
-def _median_ms(fn, iters: int) -> float:
-    fn()  # warm-up: the shape is compiled already, this pages in the buffers
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def matmul_flops(cfg, tokens: int, logits_rows: int) -> int:
@@ -232,7 +222,7 @@ def measure_dtype(model, dtype: str, bandwidth: "ReadBandwidth", rng) -> tuple[l
         # and its ceilings together; each ratio below is the median of the rounds' ratios
         rounds = []
         for _ in range(_ROUNDS.value):
-            step_ms = _median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+            step_ms = median_ms(lambda: runner.run_batch(batch), _ITERS.value)
             gflops = probe.round(mm_rows)
             rounds.append((step_ms, max(gflops.values()), bandwidth.gbs()))
             seen = ceilings.setdefault(mm_rows, {"rows": mm_rows, "dtype": dtype, "variants_gflops": {},

@@ -1,11 +1,27 @@
 """Hand-built engine batches for timing one step shape (experiments/roofline.py,
-experiments/helper_threads.py): real block tables and contexts without a scheduler."""
+experiments/helper_threads.py): real block tables and contexts without a scheduler, and
+the step's median time."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def median_ms(fn, iters: int) -> float:
+    """Median of `iters` timed calls of fn, in ms, after one untimed call (the shape is
+    compiled already; that call pages in the buffers)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def build_batch(runner, q_lens, starts, rng):
