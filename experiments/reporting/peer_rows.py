@@ -30,7 +30,8 @@ def peer_hf(record: dict) -> list:
 
 def peer_vllm(record: dict) -> list:
     """vLLM's CPU backend against ours (experiments/peer_vllm.py): output tok/s (means over the
-    rounds) per vLLM mode and ours, the ratios, and how our outputs compared with vLLM's."""
+    rounds) per vLLM mode and ours, the ratios (the first mode's also per round), and how our
+    outputs compared with vLLM's."""
     fig, flags = record["figures"], record["flags"]
     summary = fig["summary"]
     words = {"both_cores": "vLLM on all cores", "default": "vLLM as set up by default (a core reserved)"}
@@ -53,7 +54,14 @@ def peer_vllm(record: dict) -> list:
              rr._join([summary[m]["vllm_mean_output_tokens_per_s"] for m in modes]
                    + [summary["paged_jax_mean_output_tokens_per_s"]], "{:.1f}")
              + "; paged_jax / vLLM " + rr._join((summary[m]["ratio"] for m in modes), "{:.2f}x")
-             + equal + rr._cpu_note(record))]
+             + _per_round(summary, modes) + equal + rr._cpu_note(record))]
+
+
+def _per_round(summary: dict, modes: list) -> str:
+    """The first vLLM mode's ratio round by round: the host drifts, and the spread says how
+    far one run's ratio can be trusted."""
+    rounds = summary[modes[0]].get("ratio_per_round") if modes else None
+    return f" (per round vs {modes[0]}: {rr._join(rounds, '{:.2f}')})" if rounds and len(rounds) > 1 else ""
 
 
 def trace_step_breakdown(record: dict) -> list:

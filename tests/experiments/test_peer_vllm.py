@@ -111,6 +111,11 @@ def test_row_reads_figures_and_reports_mismatches():
     [(figure, value)] = results_rows.peer_vllm(_record({"paged_jax round 1": equal, "paged_jax round 2": equal}))
     assert "vLLM 0.32.0" in figure and "64 ShareGPT-like" in figure and "float32" in figure
     assert value.startswith("100.0 / 80.0 / 120.0; paged_jax / vLLM 1.20x / 1.50x; outputs equal token for token")
+    record = _record({"paged_jax round 1": equal})
+    record["figures"]["summary"]["both_cores"]["ratio_per_round"] = [1.31, 1.09]
+    [(_, value)] = results_rows.peer_vllm(record)
+    assert value.startswith("100.0 / 80.0 / 120.0; paged_jax / vLLM 1.20x / 1.50x (per round vs both_cores: "
+                            "1.31 / 1.09); outputs equal")
     off = {"equal": 61, "near_tie": 2, "mismatch": 1, "unchecked": 0}
     [(_, value)] = results_rows.peer_vllm(_record({"vllm default round 1": equal, "paged_jax round 1": off}))
     assert "61 equal, 2 near ties, 1 mismatches" in value and "token for token" not in value
