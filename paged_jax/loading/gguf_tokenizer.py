@@ -56,7 +56,7 @@ def _metadata(path: str) -> dict:
     """tokenizer.* metadata (and nothing else) as Python values."""
     from paged_jax.loading.gguf_weights import open_gguf  # a truncated file: WeightFileError naming it
     reader = open_gguf(path)
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    return {key: value for key, value in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:

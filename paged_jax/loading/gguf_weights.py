@@ -26,12 +26,12 @@ import re
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from paged_jax.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from paged_jax.loading.errors import WeightFileError, detail, file_size
+from paged_jax.loading.gguf_file import GGUFFile
 from paged_jax.loading.placement import place_params
 from paged_jax.model.llama import Params, param_shapes
 from paged_jax.model.rope import inverse_frequencies
@@ -58,21 +58,21 @@ _LAYER_TENSORS = {  # names after the "blk.{i}." prefix
 _NON_PARAMETER_TENSORS = ("rope_freqs.weight",)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _REQUIRED = object()
-# What gguf's reader raises on a file that ends early or holds garbage: it parses the
-# header with numpy views of a memory map, so a short file shows up as a short view.
+# What parsing a file that ends early or holds garbage raises (the header: ValueError,
+# UnicodeDecodeError; dequantizing a tensor whose bytes do not fit its type: numpy's errors).
 _READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, EOFError)
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """gguf's reader on `path`; a truncated or corrupt file raises WeightFileError
-    naming it (gguf's own errors are numpy reshape and index errors)."""
+def open_gguf(path: str) -> GGUFFile:
+    """The GGUF at `path`, its header parsed; a truncated or corrupt file raises
+    WeightFileError naming it."""
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except OSError as err:
         raise WeightFileError(path, f"the file cannot be read ({detail(err)})") from err
     except _READER_ERRORS as err:
-        raise WeightFileError(path, f"the GGUF file ({file_size(path)}) is truncated or corrupt: gguf's reader "
-                                    f"failed ({detail(err)})") from err
+        raise WeightFileError(path, f"the GGUF file ({file_size(path)}) is truncated or corrupt: its header "
+                                    f"does not parse ({detail(err)})") from err
 
 
 def _f32_value(value: float) -> float:
@@ -99,7 +99,7 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rope_scaling(reader: GGUFReader, field, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
+def _rope_scaling(reader: GGUFFile, field, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
     """RoPE scaling from `{arch}.rope.scaling.*`, or Llama 3's `rope_freqs` tensor.
 
     llama.cpp stores Llama 3.1 scaling only as per-frequency divisors, not as its four
@@ -127,12 +127,12 @@ def _rope_scaling(reader: GGUFReader, field, arch: str, head_dim: int, theta: fl
     raise ValueError(f"unsupported RoPE scaling {kind!r} in the GGUF; supported: linear, llama3, none")
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """The ModelConfig a GGUF's metadata describes (architecture checked first)."""
 
     def field(key: str, default=_REQUIRED):
         if key in reader.fields:
-            return reader.fields[key].contents()
+            return reader.fields[key]
         if default is _REQUIRED:
             raise ValueError(f"the GGUF lacks the metadata key {key!r}")
         return default
