@@ -113,6 +113,7 @@ def test_out_of_range_inputs_are_errors_not_reads():
         ragged_paged_attention_cpu(q, k.astype(np.float16), v.astype(np.float16), tables, lens, qsl)
 
 
+@pytest.mark.slow  # a second g++ build of every kernel (~15 s on 2 cores); the default run builds once, cached
 def test_the_library_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     """A fresh cache directory gets its own build, named by the hash; a second call loads it."""
     monkeypatch.setenv("PAGED_JAX_KERNEL_CACHE_DIR", str(tmp_path))

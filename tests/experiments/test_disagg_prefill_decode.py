@@ -2,11 +2,14 @@
 jax.experimental.transfer give one mixed engine's greedy tokens, and the K/V really move
 (every request with a full prompt block pulls bytes and writes blocks in the decoder)."""
 
+import pytest
+
 from experiments import disagg_prefill_decode as disagg
 
 OPTIONS = {"block_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 
 
+@pytest.mark.slow  # two child processes, each compiling its engine (~30 s on 2 cores)
 def test_two_processes_equal_one_mixed_engine():
     trace = disagg.make_trace(6, 0.5, 40, 9, 8, 50.0, 256, seed=1)
     mixed = disagg.serve("mixed", trace, "random:tiny_llama", OPTIONS, timeout_s=300)

@@ -22,6 +22,10 @@ PLAN = dict(rate=0, min_tokens=6, max_tokens=14, num_prefixes=2, prefix_words=30
             max_n=2, max_model_len=160, long_words=(30, 60), beam_fraction=0.15)
 PER_PHASE = 16
 
+# two phases against a live server (~1 min on 2 cores): CI's `-m slow` run; the server's
+# own tests check each kind of traffic in the default run
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def soak():

@@ -72,15 +72,29 @@ def grid_context_lens(rng: np.random.Generator, index: int, block_size: int, num
     return lens, max_blocks
 
 
-def balanced_sample(num_cases: int, seed: int, **factors) -> list[dict]:
+def balanced_sample(num_cases: int, seed: int, *, balanced_first: int = 0, **factors) -> list[dict]:
     """num_cases combinations in which every value of every factor appears about equally
-    often (each factor's values repeated, then shuffled independently)."""
+    often (each factor's values repeated, then shuffled independently). With
+    balanced_first, the first that many cases are also balanced on their own: the ones the
+    default test run checks (`case_params`)."""
+    if balanced_first:
+        return (balanced_sample(balanced_first, seed, **factors)
+                + balanced_sample(num_cases - balanced_first, seed + 1, **factors))
     rng = np.random.default_rng(seed)
     columns = {}
     for name, values in factors.items():
         repeated = list(itertools.islice(itertools.cycle(values), num_cases))
         columns[name] = [repeated[i] for i in rng.permutation(num_cases)]
     return [{name: columns[name][i] for name in factors} for i in range(num_cases)]
+
+
+def case_params(indices, ids, default_count: int) -> list:
+    """pytest params for the case indices: the first `default_count` in the default run,
+    the rest marked slow. Each randomized case compiles its own kernel in interpret mode
+    (seconds each on 2 cores), so the default run checks a balanced few and CI's
+    `-m slow` run checks them all."""
+    return [pytest.param(i, id=name, marks=() if n < default_count else pytest.mark.slow)
+            for n, (i, name) in enumerate(zip(indices, ids))]
 
 
 def case_id(c: dict) -> str:

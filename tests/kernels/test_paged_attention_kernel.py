@@ -17,7 +17,7 @@ import pytest
 from tests.helpers.kernel_cases import DEFAULT_BACKEND as _DEFAULT_BACKEND
 from tests.helpers.kernel_cases import DEFAULT_MODE as _DEFAULT_MODE
 from tests.helpers.kernel_cases import TOLERANCE as _TOLERANCE
-from tests.helpers.kernel_cases import balanced_sample, case_id, edge_lengths, make_case
+from tests.helpers.kernel_cases import balanced_sample, case_id, case_params, edge_lengths, make_case
 from tests.helpers.kernel_cases import mode as _mode
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
@@ -101,7 +101,7 @@ def test_empty_sequences_give_zeros_from_an_all_nan_cache(interpret):
 
 
 _CASES = balanced_sample(
-    24, seed=7, num_seqs=list(range(1, 9)), group=[1, 2, 4, 7], head_dim=[64, 80, 128], block_size=[8, 16, 32, 64],
+    24, balanced_first=8, seed=7, num_seqs=list(range(1, 9)), group=[1, 2, 4, 7], head_dim=[64, 80, 128], block_size=[8, 16, 32, 64],
     window=[False, True], cap=[False, True], dtype=[np.float32, jnp.bfloat16])
 
 
@@ -118,7 +118,7 @@ def _case_inputs(index, c, *, num_kv_heads=2):
 
 
 @pytest.mark.parametrize("interpret", [_DEFAULT_MODE])
-@pytest.mark.parametrize("index", range(len(_CASES)), ids=[case_id(c) for c in _CASES])
+@pytest.mark.parametrize("index", case_params(range(len(_CASES)), [case_id(c) for c in _CASES], 8))
 def test_kernel_matches_reference(index, interpret):
     c = _CASES[index]
     inputs, kwargs = _case_inputs(index, c)
@@ -126,7 +126,7 @@ def test_kernel_matches_reference(index, interpret):
 
 
 @pytest.mark.parametrize("interpret", [_mode("gpu")])
-@pytest.mark.parametrize("index", range(0, len(_CASES), 3), ids=[case_id(c) for c in _CASES[::3]])
+@pytest.mark.parametrize("index", case_params(range(0, len(_CASES), 3), [case_id(c) for c in _CASES[::3]], 3))
 def test_triton_layout_matches_reference(index, interpret):
     """The program Triton gets (group rows padded to a power of two >= 16, head_dim to a
     power of two with masked loads), in interpret mode unless a GPU is present."""

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from tests.helpers.kernel_cases import DEFAULT_BACKEND as _DEFAULT_BACKEND
 from tests.helpers.kernel_cases import DEFAULT_MODE as _DEFAULT_MODE
-from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, edge_lengths,
-                                        grid_context_lens, make_case, ragged_args)
+from tests.helpers.kernel_cases import (assert_matches_ragged_reference, balanced_sample, case_id, case_params,
+                                        edge_lengths, grid_context_lens, make_case, ragged_args)
 from tests.helpers.kernel_cases import mode as _mode
 from test_ragged_paged_attention_reference import _numpy_oracle
 
@@ -101,7 +101,7 @@ def test_empty_batch_gives_zeros_from_an_all_nan_cache(interpret):
 
 
 _CASES = balanced_sample(
-    20, seed=11, num_seqs=list(range(1, 9)), group=[1, 2, 4, 7], head_dim=[64, 80, 128], block_size=[8, 16, 32, 64],
+    20, balanced_first=8, seed=11, num_seqs=list(range(1, 9)), group=[1, 2, 4, 7], head_dim=[64, 80, 128], block_size=[8, 16, 32, 64],
     window=[False, True], cap=[False, True], dtype=[np.float32, jnp.bfloat16])
 
 
@@ -129,7 +129,7 @@ def _ragged_case(index, c, *, num_kv_heads=2):
 
 
 @pytest.mark.parametrize("interpret", [_DEFAULT_MODE])
-@pytest.mark.parametrize("index", range(len(_CASES)), ids=[case_id(c) for c in _CASES])
+@pytest.mark.parametrize("index", case_params(range(len(_CASES)), [case_id(c) for c in _CASES], 8))
 def test_kernel_matches_reference(index, interpret):
     c = _CASES[index]
     case, kwargs = _ragged_case(index, c)
@@ -137,7 +137,7 @@ def test_kernel_matches_reference(index, interpret):
 
 
 @pytest.mark.parametrize("interpret", [_mode("gpu")])
-@pytest.mark.parametrize("index", range(0, len(_CASES), 3), ids=[case_id(c) for c in _CASES[::3]])
+@pytest.mark.parametrize("index", case_params(range(0, len(_CASES), 3), [case_id(c) for c in _CASES[::3]], 3))
 def test_triton_tiling_matches_reference(index, interpret):
     """The program Triton gets (one program per query tile and KV head, group rows and
     head_dim padded to powers of two, masked stores), in interpret mode unless a GPU is

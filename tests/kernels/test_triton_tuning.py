@@ -35,9 +35,17 @@ _DECODE_INDICES = [0, 5, 10, 15, 20]
 _RAGGED_INDICES = [1, 6, 11, 16]
 
 
+def _case_tunings(indices, cases, tunings):
+    """(index, tuning) params for every case under every tuning: the default run checks the
+    diagonal (each case once, each tuning at least once), CI's `-m slow` run all the rest
+    (each pair compiles its own Triton program in interpret mode: seconds on 2 cores)."""
+    return [pytest.param(i, t, id=f"{case_id(cases[i])}-{t.label()}",
+                         marks=() if b == a % len(tunings) else pytest.mark.slow)
+            for a, i in enumerate(indices) for b, t in enumerate(tunings)]
+
+
 @pytest.mark.parametrize("interpret", [_mode("gpu")])
-@pytest.mark.parametrize("tuning", _TUNINGS, ids=[t.label() for t in _TUNINGS])
-@pytest.mark.parametrize("index", _DECODE_INDICES, ids=[case_id(_DECODE_CASES[i]) for i in _DECODE_INDICES])
+@pytest.mark.parametrize("index,tuning", _case_tunings(_DECODE_INDICES, _DECODE_CASES, _TUNINGS))
 def test_decode_kernel_matches_reference_under_tuning(index, tuning, interpret):
     c = _DECODE_CASES[index]
     inputs, kwargs = _case_inputs(index, c, num_kv_heads=2)
@@ -45,8 +53,7 @@ def test_decode_kernel_matches_reference_under_tuning(index, tuning, interpret):
     _check(got, inputs, c["dtype"], **kwargs)
 
 
-@pytest.mark.parametrize("tuning", _TUNINGS[1:], ids=[t.label() for t in _TUNINGS[1:]])
-@pytest.mark.parametrize("index", _DECODE_INDICES[:3], ids=[case_id(_DECODE_CASES[i]) for i in _DECODE_INDICES[:3]])
+@pytest.mark.parametrize("index,tuning", _case_tunings(_DECODE_INDICES[:3], _DECODE_CASES, _TUNINGS[1:]))
 def test_decode_kernel_gathered_chunks_and_splits_unpadded_on_cpu(index, tuning):
     c = _DECODE_CASES[index]
     inputs, kwargs = _case_inputs(index, c)
@@ -55,8 +62,7 @@ def test_decode_kernel_gathered_chunks_and_splits_unpadded_on_cpu(index, tuning)
 
 
 @pytest.mark.parametrize("interpret", [_mode("gpu")])
-@pytest.mark.parametrize("tuning", _TUNINGS, ids=[t.label() for t in _TUNINGS])
-@pytest.mark.parametrize("index", _RAGGED_INDICES, ids=[case_id(_RAGGED_CASES[i]) for i in _RAGGED_INDICES])
+@pytest.mark.parametrize("index,tuning", _case_tunings(_RAGGED_INDICES, _RAGGED_CASES, _TUNINGS))
 def test_ragged_kernel_matches_reference_under_tuning(index, tuning, interpret):
     c = _RAGGED_CASES[index]
     case, kwargs = _ragged_case(index, c)
