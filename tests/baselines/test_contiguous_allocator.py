@@ -212,7 +212,8 @@ def runs(model, trace):
     out = {}
     for allocator in ("paged",) + CONTIGUOUS_POLICIES:
         llm = LLM(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, block_size=8,
-                  num_blocks=49, kv_allocator=allocator, attention_backend="reference", enable_prefix_caching=False)
+                  num_blocks=49, kv_allocator=allocator, attention_backend="reference", enable_prefix_caching=False,
+                  seq_buckets=(4, 16), token_buckets=(16, 64))  # few shapes to compile per engine
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens],
                                use_tqdm=False)
@@ -263,7 +264,7 @@ def test_engine_validation(model):
         EngineConfig(kv_allocator="contiguous")
     assert not EngineConfig(kv_allocator="contiguous-pow2").enable_prefix_caching
     llm = LLM(model, max_model_len=64, num_blocks=20, block_size=8, kv_allocator="contiguous-oracle",
-              attention_backend="reference")
+              attention_backend="reference", seq_buckets=(32,), token_buckets=(256,))  # one shape: it never steps
     with pytest.raises(ValueError, match="sharing"):
         llm.engine.add_request("a", [5, 6], SamplingParams(n=2))
     with pytest.raises(ValueError, match="sharing"):

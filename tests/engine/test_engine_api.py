@@ -13,7 +13,8 @@ from paged_jax.engine.llm_engine import LLMEngine, completion_seed
 from paged_jax.loading import LoadedModel
 from paged_jax.model.llama import init_params
 
-SETTINGS = dict(block_size=4, num_blocks=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+SETTINGS = dict(block_size=4, num_blocks=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                seq_buckets=(1, 4), token_buckets=(8, 32))  # few shapes to compile
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ def _check(hf, model, cases, outputs):
 
 
 def _run(model, cases, **settings):
+    settings = {"seq_buckets": (4, 16), "token_buckets": (16, 64), **settings}  # few shapes to compile
     llm = LLM(model, block_size=4, max_model_len=64, max_num_seqs=16, max_num_batched_tokens=64,
               attention_backend="reference", **settings)
     # Every case is queued at once, so beams of different requests share steps.

@@ -21,7 +21,8 @@ from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.loading import LoadedModel
 from tests.helpers.greedy_check import assert_greedy_match
 
-SETTINGS = dict(block_size=8, num_blocks=96, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+SETTINGS = dict(block_size=8, num_blocks=96, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                seq_buckets=(1, 4), token_buckets=(16, 64))  # few shapes to compile
 
 
 class _Letters:

@@ -41,7 +41,7 @@ def test_engine_greedy_equals_transformers(tmp_path, variant):
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 120))] for _ in range(12)]
     max_tokens = [rng.randint(1, 60) for _ in prompts]
     llm = LLM(load_model(str(tmp_path)), block_size=8, num_blocks=40, max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, seq_buckets=(2, 8), token_buckets=(16, 64))  # few shapes to compile
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
                         use_tqdm=False)

@@ -50,6 +50,9 @@ def expected(model, shared_prefix_trace):
 def _llm(model, **settings):
     settings = {"block_size": BLOCK_SIZE, "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
                 "attention_backend": "reference", **settings}
+    # few buckets (warm-up compiles every pair), each covering its maximum
+    settings.setdefault("seq_buckets", (2, settings["max_num_seqs"]))
+    settings.setdefault("token_buckets", (16, settings["max_num_batched_tokens"]))
     return LLM(model, **settings)
 
 

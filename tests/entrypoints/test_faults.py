@@ -133,7 +133,9 @@ def test_a_client_that_stops_reading_holds_back_nothing_but_itself(tiny_llama):
         assert never.num_pending <= 1 and one.num_pending <= 1, (never.num_pending, one.num_pending)
 
         during = [timed_completion(server) for _ in range(3)]
-        assert max(during) < 3 * baseline + 1.0, (baseline, during)  # the engine was not held back
+        # the engine was not held back: a held-back engine slows every request, so the median
+        # decides (one of three can meet a first compile of a 3-row shape on a cold cache)
+        assert sorted(during)[1] < 3 * baseline + 1.0, (baseline, during)
         assert never.num_pending <= 1 and one.num_pending <= 1, (never.num_pending, one.num_pending)
         wait_for(lambda: server.loop.stats()["num_running"] == 2, 5, "only the stalled requests running "
                  "(if they finished already, they finished too early to test aborts)")
