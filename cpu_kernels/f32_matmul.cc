@@ -17,6 +17,10 @@
 // 1024-token mixed step did not get measurably faster when the two builds were timed in
 // turn. So what limits a served step is not these tiles' FMA-to-load ratio. The 10-row tile
 // also spilled its row pointers: with K a runtime value, each row needs its own register.
+// Also tried: each thread packing its x panel k-major ([tile][K][8], one pointer per tile, no
+// spills). A served 64-row decode step did not change and a 1024-token mixed step got slower
+// (the packing). In a profile of the served decode step, the tile loop's samples spread evenly
+// over its FMAs and loads, with no stall on the weight loads or the spilled pointers.
 //
 // Contract:
 //   x    f32[M, K]   any M, K
