@@ -17,6 +17,10 @@
 // 1024-token mixed step did not get measurably faster when the two builds were timed in
 // turn. So what limits a served step is not these tiles' FMA-to-load ratio. The 10-row tile
 // also spilled its row pointers: with K a runtime value, each row needs its own register.
+// What did pay: stepping k in groups of 4 (one prefetch countdown, loop test and pointer
+// update per group). In a profile the loop had about as many scalar uops as FMAs, and
+// scalar uops can issue on the two ports the 512-bit FMAs use. Served decode and mixed steps
+// were faster in every alternating pair of runs; groups of 8 were no faster than 4.
 // Also tried: each thread packing its x panel k-major ([tile][K][8], one pointer per tile, no
 // spills). A served 64-row decode step did not change and a 1024-token mixed step got slower
 // (the packing). In a profile of the served decode step, the tile loop's samples spread evenly
@@ -105,8 +109,8 @@ Blocks item_blocks(const Work& p, int64_t item) {
 inline void prefetch_line(const float* a) { asm volatile("prefetcht0 %0" : : "m"(*a)); }
 
 // acc0/acc1[r] = x rows [0, MR) @ the blocks' 16 columns each, over all of K; meanwhile the
-// K rows [pf_begin, pf_end) of the next item's blocks are prefetched, one row of each per
-// `pf_every` k steps.
+// K rows [pf_begin, pf_end) of the next item's blocks are prefetched, `pf_per` rows of each
+// every `pf_every` groups of k steps.
 template <int MR, bool kTwo>
 inline void tile(const float* x, int64_t K, const Blocks& b, const Blocks& pf, int64_t pf_begin, int64_t pf_end,
                  __m512* out0, __m512* out1) {
@@ -114,16 +118,40 @@ inline void tile(const float* x, int64_t K, const Blocks& b, const Blocks& pf, i
   // x's floats) they lived in memory, and the tile ran at a third of the speed
   __m512 acc0[MR], acc1[MR];
   for (int r = 0; r < MR; ++r) acc0[r] = _mm512_setzero_ps(), acc1[r] = _mm512_setzero_ps();
-  const int64_t pf_rows = pf_end - pf_begin, pf_every = pf_rows > 0 ? std::max<int64_t>(1, K / pf_rows) : K + 1;
-  int64_t pf_k = pf_begin, countdown = 0;  // a countdown, not k % pf_every: a division per k step cost more than its FMAs
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(b.b0 + k * b.k_stride);
-    const __m512 w1 = kTwo ? _mm512_loadu_ps(b.b1 + k * b.k_stride) : _mm512_setzero_ps();
+  // k steps in groups of kUnroll: the pointer arithmetic, loop test and prefetch countdown
+  // once per group instead of once per k, so fewer scalar uops compete with the FMAs' ports
+  constexpr int64_t kUnroll = 4;
+  const int64_t groups = K / kUnroll, pf_rows = pf_end - pf_begin;
+  const int64_t pf_per = groups > 0 ? std::max<int64_t>(1, (pf_rows + groups - 1) / groups) : 0;
+  const int64_t pf_every = pf_rows > 0 && groups > 0 ? std::max<int64_t>(1, groups * pf_per / pf_rows) : groups + 1;
+  int64_t pf_k = pf_begin, countdown = 0;  // a countdown, not a modulo: a division per group costs more than its FMAs
+  const float* w0p = b.b0;
+  const float* w1p = b.b1;
+  const int64_t ks = b.k_stride;
+  int64_t k = 0;
+  for (int64_t g = 0; g < groups; ++g, k += kUnroll) {
     if (--countdown <= 0 && pf_k < pf_end) {
-      prefetch_line(pf.b0 + pf_k * pf.k_stride);
-      if (pf.b1) prefetch_line(pf.b1 + pf_k * pf.k_stride);
-      ++pf_k, countdown = pf_every;
+      for (int64_t i = 0; i < pf_per && pf_k < pf_end; ++i, ++pf_k) {
+        prefetch_line(pf.b0 + pf_k * pf.k_stride);
+        if (pf.b1) prefetch_line(pf.b1 + pf_k * pf.k_stride);
+      }
+      countdown = pf_every;
     }
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kUnroll; ++u) {
+      const __m512 w0 = _mm512_loadu_ps(w0p + (k + u) * ks);
+      const __m512 w1 = kTwo ? _mm512_loadu_ps(w1p + (k + u) * ks) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * K + k + u]);
+        acc0[r] = _mm512_fmadd_ps(a, w0, acc0[r]);
+        if (kTwo) acc1[r] = _mm512_fmadd_ps(a, w1, acc1[r]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w0p + k * ks);
+    const __m512 w1 = kTwo ? _mm512_loadu_ps(w1p + k * ks) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * K + k]);
