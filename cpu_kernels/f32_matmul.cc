@@ -17,16 +17,16 @@
 // 1024-token mixed step did not get measurably faster when the two builds were timed in
 // turn. So what limits a served step is not these tiles' FMA-to-load ratio. The 10-row tile
 // also spilled its row pointers: with K a runtime value, each row needs its own register.
-// What did pay: stepping k in groups of 4 (one prefetch countdown, loop test and pointer
-// update per group). In a profile the loop had about as many scalar uops as FMAs, and
-// scalar uops can issue on the two ports the 512-bit FMAs use. Served decode and mixed steps
-// were faster in every alternating pair of runs; groups of 8 were no faster than 4.
 // Also tried: each thread packing its x panel k-major ([tile][K][8], one pointer per tile, no
 // spills). A served 64-row decode step did not change and a 1024-token mixed step got slower
 // (the packing). In a profile of the served decode step, the tile loop's samples spread evenly
 // over its FMAs and loads, with no stall on the weight loads or the spilled pointers. And:
 // K in chunks of 192 swept over all row tiles, so each chunk's weights (24 KiB) are read from
 // L1 by every tile instead of from L2: decode unchanged, the mixed step a little slower.
+// What did pay: stepping k in groups of 4 (one prefetch countdown, loop test and pointer
+// update per group). In a profile the loop had about as many scalar uops as FMAs, and
+// scalar uops can issue on the two ports the 512-bit FMAs use. Served decode and mixed steps
+// were faster in every alternating pair of runs; groups of 8 were no faster than 4.
 //
 // Contract:
 //   x    f32[M, K]   any M, K
@@ -149,7 +149,7 @@ inline void tile(const float* x, int64_t K, const Blocks& b, const Blocks& pf, i
       }
     }
   }
-  for (; k < K; ++k) {
+  for (; k < K; ++k) {  // the last K % kUnroll steps
     const __m512 w0 = _mm512_loadu_ps(w0p + k * ks);
     const __m512 w1 = kTwo ? _mm512_loadu_ps(w1p + k * ks) : _mm512_setzero_ps();
 #pragma GCC unroll 8
