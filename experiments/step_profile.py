@@ -25,8 +25,10 @@ separately jitted functions with the engine's own code:
                        with its per-row argmax, where the runner does that
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
   sample_greedy        sample_tokens with temperature 0
-  matmul_ceiling       one [S, H] x [H, I] matmul's FLOP rate, scaled to the model's FLOPs
-                       per token: the step time if every matmul ran at that rate
+  matmul_ceiling       the fastest MLP-shaped matmul at S rows with weights from memory (XLA's
+                       dot or the native kernel: experiments/benchmarks/cpu_ceilings.py, as the
+                       roofline uses), scaled to the model's FLOPs per token: the step time if
+                       every matmul ran at that rate
 
 Times are medians of --iters calls after a warm-up. `step_ms_before` sums the step as the
 engine ran it before the native kernels (scan, Pallas kernel, top-K every step);
@@ -73,8 +75,9 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     from flax import nnx
 
     from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
+    from experiments.benchmarks.cpu_ceilings import MatmulCeiling
     from paged_jax.attention.chunked_attention import chunked_decode_attention
-    from paged_jax.model.decoder import LlamaDecoder, dense, weight_layout
+    from paged_jax.model.decoder import LlamaDecoder, weight_layout
     from paged_jax.model.functional import layer_matrices_as, restack_layers, split_model, unstack_layers
     from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.worker.sampler import sample_tokens
@@ -146,11 +149,12 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
                                      iters=iters),
         "sample_greedy": _median_ms(jax.jit(lambda x, kk: greedy(x, keys=kk)), logits, keys, iters=iters),
     }
-    # the ceiling: one MLP-shaped matmul's FLOP rate applied to the model's matmul FLOPs per token
-    x = jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.intermediate_size)), dtype)
-    matmul_ms = _median_ms(jax.jit(dense), x, w, iters=max(iters, 20))  # bf16: bf16 x bf16 -> f32
-    gflops = 2 * n * cfg.hidden_size * cfg.intermediate_size / matmul_ms / 1e6
+    # the ceiling: the fastest MLP-shaped matmul variant at n rows (weights from memory), median of
+    # rounds, applied to the model's matmul FLOPs per token
+    ceiling = MatmulCeiling(cfg, dtype, rng)
+    rounds = [ceiling.round(n) for _ in range(max(iters, 5))]
+    gflops = statistics.median(max(r.values()) for r in rounds)
+    fastest = statistics.mode(max(r, key=r.get) for r in rounds)
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
@@ -159,7 +163,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     return {"num_seqs": n, "context_len": context_len, "dtype": dtype, "weight_layout": layout, "parts_ms": parts,
             "step_ms_before": round(before, 2), "tokens_per_s_before": round(n / before * 1e3, 1),
             "step_ms_after": round(after, 2), "tokens_per_s_after": round(n / after * 1e3, 1),
-            "matmul_gflops": round(gflops, 1),
+            "matmul_gflops": round(gflops, 1), "ceiling_variant": fastest,
             "gflop_per_token": round(flops_per_token / 1e9, 3),
             "ceiling_step_ms": round(n * flops_per_token / gflops / 1e6, 2),
             "ceiling_tokens_per_s": round(gflops * 1e9 / flops_per_token, 1)}
