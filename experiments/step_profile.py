@@ -24,7 +24,9 @@ separately jitted functions with the engine's own code:
   logits_served        the native kernel (AMX for bf16, FMA for f32) on the head packed once,
                        with its per-row argmax, where the runner does that
   logprobs_top_k       log_softmax and top-K (the runner returns top-K every step)
-  sample_greedy        sample_tokens with temperature 0
+  sample_greedy        sample_tokens with temperature 0 (the sampler before step_head.py)
+  greedy_head          step_head.greedy_head: what the runner runs for an all-greedy batch
+                       when the served head does not return the argmax (no packed head)
   matmul_ceiling       the fastest MLP-shaped matmul at S rows with weights from memory (XLA's
                        dot or the native kernel: experiments/benchmarks/cpu_ceilings.py, as the
                        roofline uses), scaled to the model's FLOPs per token: the step time if
@@ -32,8 +34,10 @@ separately jitted functions with the engine's own code:
 
 Times are medians of --iters calls after a warm-up. `step_ms_before` sums the step as the
 engine ran it before the native kernels (scan, Pallas kernel, top-K every step);
-`step_ms_after` as it runs now (unrolled in the serving layout, native attention, the
-served head, top-K only when asked). Writes
+`step_ms_after` as an all-greedy batch asking no logprobs runs now (unrolled in the
+serving layout, native attention, the served head; its argmax is the step's tokens where the
+head is packed for a native kernel, else greedy_head runs after it; top-K only when asked).
+Writes
 experiments/results/step_profile.json (--dtype=bfloat16: bf16 weights and KV pool).
 """
 
@@ -81,6 +85,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     from paged_jax.model.functional import layer_matrices_as, restack_layers, split_model, unstack_layers
     from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.worker.sampler import sample_tokens
+    from paged_jax.worker.step_head import greedy_head
     from pallas_kernels.ragged_paged_attention import (
         ragged_paged_attention,
         ragged_paged_attention_reference,
@@ -148,6 +153,8 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
         "logprobs_top_k": _median_ms(jax.jit(lambda x: jax.lax.top_k(jax.nn.log_softmax(x, -1), top_k)), logits,
                                      iters=iters),
         "sample_greedy": _median_ms(jax.jit(lambda x, kk: greedy(x, keys=kk)), logits, keys, iters=iters),
+        "greedy_head": _median_ms(jax.jit(functools.partial(greedy_head, k=top_k)), logits, jnp.zeros(1, jnp.int32),
+                                  iters=iters),
     }
     # the ceiling: the fastest MLP-shaped matmul variant at n rows (weights from memory), median of
     # rounds, applied to the model's matmul FLOPs per token
@@ -159,8 +166,12 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
     before = sum(parts[k_] for k_ in ("layers_scan", "attention_kernel", "logits", "logprobs_top_k", "sample_greedy"))
-    after = sum(parts[k_] for k_ in ("layers_served", "attention_native", "logits_served", "sample_greedy"))
+    # the runner takes an all-greedy batch's tokens from the packed head's argmax (ModelRunner._native_greedy)
+    head_argmax = packed_head is not None
+    after = sum(parts[k_] for k_ in ("layers_served", "attention_native", "logits_served")) \
+        + (0.0 if head_argmax else parts["greedy_head"])
     return {"num_seqs": n, "context_len": context_len, "dtype": dtype, "weight_layout": layout, "parts_ms": parts,
+            "served_head_argmax": head_argmax,
             "step_ms_before": round(before, 2), "tokens_per_s_before": round(n / before * 1e3, 1),
             "step_ms_after": round(after, 2), "tokens_per_s_after": round(n / after * 1e3, 1),
             "matmul_gflops": round(gflops, 1), "ceiling_variant": fastest,

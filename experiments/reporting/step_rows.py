@@ -25,8 +25,9 @@ def step_profile(record: dict) -> list:
                       f", ceiling {r['ceiling_tokens_per_s']:.0f})" for r in rows)
     return [(f"decode step by part, {rr._setting(record)}, {rows[0].get('dtype', 'float32')}, context "
              f"{rows[0]['context_len']}, batch {batches}: " + ", ".join(parts)
-             + " ms; tok/s of the step before and after the native kernels, and if every matmul ran at the "
-               "fastest matmul's rate at the batch's rows (weights from memory)", value)]
+             + " ms; tok/s of the step before and after the native kernels (after: an all-greedy batch, its "
+               "tokens the served head's argmax where the head is packed, else greedy_head's), and if every "
+               "matmul ran at the fastest matmul's rate at the batch's rows (weights from memory)", value)]
 
 
 def step_time_vs_cache_size(record: dict) -> list:
