@@ -107,7 +107,7 @@ def corrupt(token_ids: list[int], position: int, vocab_size: int) -> list[int]:
 def compare_choice(req: SoakRequest, index: int, served: dict, offline, reference: Reference) -> dict | None:
     """None if served choice `index` agrees with the offline output; else what differs.
     'near_tie' entries are accepted differences (greedy_check's rule), all others mismatches."""
-    from paged_jax.engine.core import completion_seed
+    from paged_jax.engine.engine_core import completion_seed
     from tests.helpers.greedy_check import assert_greedy_match
 
     want, got = list(offline.token_ids), list(served["token_ids"])

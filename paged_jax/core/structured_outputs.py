@@ -4,7 +4,7 @@ Exactly one of `json` (a JSON schema, as a dict or its JSON text), `json_object`
 object), `regex`, `choice` (one of these strings, exactly) or `grammar` (an EBNF grammar:
 llama.cpp's GBNF or Lark) is set. The engine compiles it for the model's tokenizer with
 llguidance and, before each token is sampled, lets through only the tokens that keep the
-text a prefix of something the constraint accepts (`paged_jax/engine/structured_outputs.py`).
+text a prefix of something the constraint accepts (`paged_jax/engine/grammar_matchers.py`).
 Pure Python, validated on construction; whether the schema or grammar itself is valid is
 the library's to say when the request is added (a ValueError with its message).
 """

@@ -25,10 +25,10 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.core import EngineCore, completion_seed
+from paged_jax.engine.engine_core import EngineCore, completion_seed
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.processor import Processor
-from paged_jax.engine.structured_outputs import GrammarCompiler, StructuredOutputManager
+from paged_jax.engine.grammar_matchers import GrammarCompiler, StructuredOutputManager
 from paged_jax.loading import LoadedModel, load_model
 from paged_jax.worker.model_runner import ModelRunner
 

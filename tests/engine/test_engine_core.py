@@ -16,7 +16,7 @@ import pytest
 from paged_jax.baselines import reference
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.core import EngineCore
+from paged_jax.engine.engine_core import EngineCore
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.loading import LoadedModel
 from tests.helpers.greedy_check import assert_greedy_match
@@ -57,7 +57,7 @@ def _all_free(bm) -> bool:
 
 
 def test_the_core_module_loads_no_tokenizer_library():
-    code = ("import sys, paged_jax.engine.core\n"
+    code = ("import sys, paged_jax.engine.engine_core\n"
             "bad = [m for m in ('transformers', 'tokenizers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -15,7 +15,7 @@ import pytest
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.block_manager import BlockManager
-from paged_jax.engine.core import EngineCore
+from paged_jax.engine.engine_core import EngineCore
 from paged_jax.entrypoints.openai.metrics import ServerMetrics
 from tests.helpers.model_free_runner import Req, greedy, make_engine, serve
 

@@ -230,7 +230,7 @@ SERVE_TINY_SLOWLY = """
 import sys, time
 import jax
 import configs
-from paged_jax.engine import core, llm_engine
+from paged_jax.engine import engine_core as core, llm_engine
 from paged_jax.loading import LoadedModel
 from paged_jax.model.llama import init_params
 

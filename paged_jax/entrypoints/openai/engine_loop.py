@@ -3,7 +3,7 @@
 Why a thread: a step blocks for the whole jitted call (tens to hundreds of
 milliseconds), so it cannot run on the event loop, and the engine is not thread-safe,
 so exactly one thread may touch it. That thread runs the engine core only (token ids in,
-token ids out; engine/core.py):
+token ids out; engine/engine_core.py):
 
   1. waits on a condition while there is neither a command nor unfinished work (an idle
      server burns no CPU);

@@ -35,7 +35,7 @@ from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve
 from paged_jax.engine.kv_transfer import PromptKV, export_prompt_kv, import_prompt_kv
 from paged_jax.engine.pool_check import PoolChecker
 from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_prompt_token_ids
-from paged_jax.engine.structured_outputs import StructuredOutputManager
+from paged_jax.engine.grammar_matchers import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
 from paged_jax.worker.model_runner import ModelRunner
@@ -79,7 +79,7 @@ class EngineCore:
         mesh the weights are sharded over, for tensor parallelism. `runner_factory`
         (ModelRunner's signature) and `clock` (seconds) are injection points: the simulator
         passes a model-free runner and a virtual clock. `structured_outputs`: the grammar
-        matchers of constrained requests (engine/structured_outputs.py; the front end builds
+        matchers of constrained requests (engine/grammar_matchers.py; the front end builds
         it from the tokenizer); without it, a request with structured_outputs is refused."""
         self.model_config = model_config
         self.config = resolve_config(config, model_config, check_memory=params is not None)  # model-free: no arrays
