@@ -78,12 +78,11 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
 
     from flax import nnx
 
-    from cpu_kernels.ragged_paged_attention import ragged_paged_attention_cpu
     from experiments.benchmarks.cpu_ceilings import MatmulCeiling
     from paged_jax.attention.chunked_attention import chunked_decode_attention
-    from paged_jax.model.decoder import LlamaDecoder, weight_layout
+    from paged_jax.model.decoder import LlamaDecoder
     from paged_jax.model.functional import layer_matrices_as, restack_layers, split_model, unstack_layers
-    from paged_jax.worker.model_runner import ModelRunner
+    from paged_jax.platform import platform_named
     from paged_jax.worker.sampler import sample_tokens
     from paged_jax.worker.step_head import greedy_head
     from pallas_kernels.ragged_paged_attention import (
@@ -105,19 +104,20 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     def compute_logits(p, h):
         return nnx.merge(graphdef, p).compute_logits(h)
 
-    # the runner's CPU serving layout: bf16 matrices packed for the AMX kernel (or [out, in]), f32 ones
-    # for the FMA kernel, the head too
-    layout = ModelRunner._serving_weight_layout(params, LlamaDecoder, None)
-    served = layer_matrices_as(per_layer, layout)
-    packed_head = (ModelRunner._packed_head(params, LlamaDecoder, layout)
-                   if layout in ("amx_tiles", "f32_columns") else None)
+    # the runner's CPU serving layout (the CPU platform's Linear): bf16 matrices packed for the AMX kernel
+    # (or [out, in]), f32 ones for the FMA kernel, the head too
+    cpu = platform_named("cpu")
+    linear = cpu.serving_linear(params, LlamaDecoder, None)
+    layout = linear.name
+    served = layer_matrices_as(per_layer, linear.pack)
+    head = params.get("lm_head")
+    packed_head = linear.pack_head(params["embed"].T if head is None else head)
 
     def layers_served_fn(p, i, s):
-        with weight_layout(layout):
-            return nnx.merge(graphdef, restack_layers(p))(i, s, {}, None, identity, unroll_layers=True)[0]
+        return nnx.merge(graphdef, restack_layers(p))(i, s, {}, None, identity, linear=linear, unroll_layers=True)[0]
 
     def logits_served_fn(p, head, h):
-        return compute_logits(p, h) if head is None else ModelRunner._native_logits(h, head, argmax=True)
+        return compute_logits(p, h) if head is None else linear.head_logits(h, head, argmax=True)
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = 1 + n * blocks_per_seq  # per layer; the pool holds every layer's, as the engine's cache
     kv_shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -139,7 +139,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
     zeros, ones = jnp.zeros(n), jnp.ones(n)
     greedy = functools.partial(sample_tokens, temperature=zeros, top_k=jnp.zeros(n, jnp.int32), top_p=ones,
                                min_p=zeros)
-    attention = {"native": ragged_paged_attention_cpu, "kernel": ragged_paged_attention,
+    attention = {"native": cpu.attention_kernels("native").attend, "kernel": ragged_paged_attention,
                  "reference": ragged_paged_attention_reference,
                  "xla": functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention)}
     parts = {

@@ -3,11 +3,15 @@
 Layers, bottom to top (paged_jax/<layer>/; pallas_kernels/ sits outside and imports no
 paged_jax code at all):
 
-    config < core < attention < model < loading < distributed < worker < baselines < engine < entrypoints
+    config < core < attention < model < loading < distributed < platform < worker < baselines < engine
+        < entrypoints
 
 So the core (pure-Python bookkeeping) knows neither the device nor the paper's baselines
 (they plug in from the engine, behind the block manager's interface), the worker never
-reaches into the engine, and nothing below the entry points knows a server exists.
+reaches into the engine, and nothing below the entry points knows a server exists. What
+differs between CPU, GPU and TPU is the platform layer's: the model and attention layers
+below it are handed its choices as arguments, and only its CPU modules import the native
+CPU kernels (cpu_kernels/), so a GPU or TPU reader never meets AVX-512 code paths.
 Imports inside functions count too: a lazy import is still a dependency. The host-side
 modules also stay free of jax and numpy, checked in a fresh interpreter.
 """
@@ -20,8 +24,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ["config", "core", "attention", "model", "loading", "distributed", "worker", "baselines", "engine",
-          "entrypoints"]
+LAYERS = ["config", "core", "attention", "model", "loading", "distributed", "platform", "worker", "baselines",
+          "engine", "entrypoints"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -95,6 +99,88 @@ def test_the_rule_catches_an_upward_import(tmp_path, fake, layer):
     try:
         with pytest.raises(AssertionError, match="_probe_upward"):
             test_no_layer_imports_a_higher_one()
+    finally:
+        path.unlink()
+
+
+def _cpu_kernel_importers(package: str = "paged_jax") -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in _sources(package)
+                  if any(m.split(".")[0] == "cpu_kernels" for m in _imports(p)))
+
+
+def test_only_the_cpu_platform_imports_the_native_cpu_kernels():
+    """Inside the library, cpu_kernels/ is reached only through paged_jax/platform/cpu*.py.
+    (Experiments that measure the CPU kernels themselves, and the kernels' own tests, import them.)"""
+    outside = [p for p in _cpu_kernel_importers() if not p.startswith("paged_jax/platform/cpu")]
+    assert not outside, f"cpu_kernels imported outside the CPU platform: {outside}"
+    assert "paged_jax/platform/cpu.py" in _cpu_kernel_importers()  # the check sees the imports it allows
+
+
+def test_the_cpu_kernel_rule_catches_an_import_elsewhere():
+    path = ROOT / "paged_jax" / "model" / "_probe_cpu_kernels.py"
+    path.write_text("def f():\n    from cpu_kernels import f32_matmul\n")
+    try:
+        with pytest.raises(AssertionError, match="_probe_cpu_kernels"):
+            test_only_the_cpu_platform_imports_the_native_cpu_kernels()
+    finally:
+        path.unlink()
+
+
+def _hidden_switches(path: pathlib.Path) -> list[str]:
+    """Ways a module can switch behaviour behind its callers' backs: context variables,
+    thread-locals, `global` rebinding, and module-level dicts/lists/sets written from
+    inside functions."""
+    tree = ast.parse(path.read_text())
+    found, module_containers = [], set()
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Dict, ast.List, ast.Set)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            module_containers.update(t.id for t in targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append(f"global {', '.join(node.names)} (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and node.attr in ("ContextVar", "local") and \
+                isinstance(node.value, ast.Name) and node.value.id in ("contextvars", "threading"):
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.Name) and node.id == "ContextVar":
+            found.append(f"ContextVar (line {node.lineno})")
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                        target = t.value.id
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.attr in (
+                        "append", "update", "add", "pop", "setdefault", "clear", "extend", "remove"):
+                target = node.func.value.id
+            if target in module_containers:
+                found.append(f"module-level {target} written in {func.name} (line {node.lineno})")
+    return found
+
+
+def test_no_module_level_state_switches_behaviour():
+    """No kernel or layout is chosen through hidden module state (the platform's choices
+    are arguments): no context variables, thread-locals, `global`, or module-level
+    containers written at run time anywhere in the library."""
+    bad = [f"{p.relative_to(ROOT)}: {what}" for p in _sources("paged_jax") for what in _hidden_switches(p)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("code", [
+    "import contextvars\nLAYOUT = contextvars.ContextVar('layout', default='in_out')\n",
+    "MODE = 'a'\ndef set_mode(m):\n    global MODE\n    MODE = m\n",
+    "KERNELS = {}\ndef register(name, fn):\n    KERNELS[name] = fn\n",
+])
+def test_the_hidden_state_rule_catches_a_switch(code):
+    path = ROOT / "paged_jax" / "model" / "_probe_switch.py"
+    path.write_text(code)
+    try:
+        with pytest.raises(AssertionError, match="_probe_switch"):
+            test_no_module_level_state_switches_behaviour()
     finally:
         path.unlink()
 

@@ -15,7 +15,7 @@ KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracl
 ATTENTION_BACKENDS = ("auto", "native", "pallas", "xla", "reference")
 LAYER_LOOPS = ("auto", "unroll", "scan")
 POOL_CHECKS = ("off", "idle", "step")
-DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20  # the KV budget of a platform that sets none of its own
 DEFAULT_MAX_MODEL_LEN = 2048  # cap on the model's own limit when none is given (CPU-friendly)
 
 
@@ -46,16 +46,16 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # device KV blocks incl. the null block; None: from the byte budget
-    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: 512 MiB
+    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: the platform's (512 MiB)
     max_model_len: int | None = None  # prompt + output cap; None: min(model limit, 2048)
-    max_num_seqs: int = 32  # sequences per step
-    max_num_batched_tokens: int = 256  # tokens per step (prefill chunks + decodes)
+    max_num_seqs: int | None = None  # sequences per step; None: the platform's (CPU 64, GPU/TPU 32)
+    max_num_batched_tokens: int | None = None  # tokens per step (prefill chunks + decodes); None: CPU 1024, else 256
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) | "priority" (lower request priority first; vLLM's rule)
     swap_space_bytes: int = 256 * 2**20  # host memory for swapped blocks
     attention_backend: str = "auto"  # "native" CPU kernel | "pallas" kernel | "xla" chunked | "reference" jnp | "auto"
-    layer_loop: str = "auto"  # "unroll" (per-layer weights, a Python loop) | "scan" | "auto": unroll on CPU
+    layer_loop: str = "auto"  # "unroll" (per-layer weights, a Python loop) | "scan" | "auto": the platform's (CPU unroll)
     dtype: str = "float32"  # weights ("bfloat16": bf16 weights, f32 accumulation and residual stream)
     kv_cache_dtype: str = "auto"  # "float32" | "bfloat16" | "auto": dtype's (f32 on CPU unless attention is native)
     seed: int = 0  # seeds requests that give none
@@ -63,7 +63,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached full blocks of equal prefixes across requests
     max_logprobs: int = 20  # top-k logprobs each step returns (API logprobs; beam candidates)
     seq_buckets: tuple[int, ...] | None = None  # padded batch sizes; None: default_buckets to max_num_seqs
-    token_buckets: tuple[int, ...] | None = None  # padded token counts; None: default_buckets (>= 8)
+    token_buckets: tuple[int, ...] | None = None  # padded token counts; None: default_buckets (>= 8) to max_num_batched_tokens
     # "paged": blocks on demand (BlockManager). "contiguous-max" / "-pow2" / "-oracle": the
     # paper's Orca-style baselines (contiguous_allocator.py): one first-fit contiguous run
     # per request reserved at admission for max_model_len tokens / the next power of two
@@ -81,6 +81,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if name in ("max_num_seqs", "max_num_batched_tokens") and getattr(self, name) is None:
+                continue  # the platform's default, filled when the engine starts (engine/kv_sizing.py)
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -117,6 +119,14 @@ class EngineConfig:
             raise ValueError("swap_space_bytes must be >= 0 and watermark in [0, 1)")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 1:
             raise ValueError(f"max_logprobs must be an int >= 1, got {self.max_logprobs!r}")
+        for name in ("seq_buckets", "token_buckets"):
+            if getattr(self, name) is not None:
+                buckets = tuple(sorted(set(getattr(self, name))))
+                if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
+                    raise ValueError(f"{name} must be ints >= 1, got {getattr(self, name)!r}")
+                object.__setattr__(self, name, buckets)
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            return  # buckets and their checks once the platform's defaults are filled in (`resolved`)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token per step")
@@ -124,7 +134,5 @@ class EngineConfig:
             object.__setattr__(self, "seq_buckets", default_buckets(1, self.max_num_seqs))
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets", default_buckets(8, self.max_num_batched_tokens))
-        object.__setattr__(self, "seq_buckets", tuple(sorted(set(self.seq_buckets))))
-        object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         if self.seq_buckets[-1] < self.max_num_seqs or self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError("the largest seq/token bucket must cover max_num_seqs/max_num_batched_tokens")

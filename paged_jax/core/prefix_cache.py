@@ -15,6 +15,7 @@ never serves K/V computed under another prefix. Pure Python, no jax or numpy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from dataclasses import dataclass, field
@@ -42,7 +43,12 @@ def _encode(value) -> bytes:
 
 
 _NO_EXTRA_KEYS = _encode(())
-_PACKERS: dict[int, struct.Struct] = {}  # token count -> its Struct ("<I{n}q"), compiled once
+
+
+@functools.cache
+def _packer(n: int) -> struct.Struct:
+    """The Struct of a block of n tokens ("<I{n}q"), compiled once per n."""
+    return struct.Struct(f"<I{n}q")
 
 
 def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:
@@ -55,10 +61,7 @@ def hash_block(parent_digest: bytes | None, token_ids: tuple[int, ...], extra_ke
     in a deliberately colliding function.
     """
     n = len(token_ids)
-    packer = _PACKERS.get(n)
-    if packer is None:
-        packer = _PACKERS[n] = struct.Struct(f"<I{n}q")
-    return hashlib.sha256((b"P" + parent_digest if parent_digest is not None else b"R") + packer.pack(n, *token_ids)
+    return hashlib.sha256((b"P" + parent_digest if parent_digest is not None else b"R") + _packer(n).pack(n, *token_ids)
                           + (_encode(tuple(extra_keys)) if extra_keys else _NO_EXTRA_KEYS)).digest()
 
 

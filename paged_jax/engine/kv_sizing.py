@@ -20,9 +20,9 @@ import dataclasses
 
 import jax
 
-from paged_jax.attention.backend import auto_attention_backend
 from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineConfig
 from paged_jax.config.model_config import ModelConfig
+from paged_jax.platform import Platform, current_platform
 from paged_jax.worker.kv_cache import bytes_per_block
 
 # The share of the memory free at start the KV cache may take: the rest is for the
@@ -31,47 +31,39 @@ from paged_jax.worker.kv_cache import bytes_per_block
 KV_MEMORY_FRACTION = 0.9
 
 
-def auto_kv_cache_dtype(dtype: str, platform: str, attention_backend: str) -> str:
-    """The KV cache's dtype for kv_cache_dtype="auto": the weights' dtype, except bf16 on
-    CPU with an XLA write path: XLA has no native bf16 scatter, and writing a step's K/V
-    into a bf16 cache converted the whole cache to f32 and back (a one-off measurement here:
-    256 rows into a 30-layer SmolLM2 cache took 245 ms, against 0.02 ms in f32), so such a cache stays f32 (twice the
-    bytes per block). The "native" backend writes rows in place in either dtype
-    (cpu_kernels/write_kv.cc; 0.02 ms for the same write in that measurement)."""
-    if platform == "cpu" and attention_backend != "native":
-        return "float32"
-    return dtype
-
-
-def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_memory: bool = True) -> EngineConfig:
-    """Fill what was left open from the model and the platform: max_model_len,
-    num_blocks, the attention backend behind "auto" and the KV cache's dtype. With
-    `check_memory` (an engine that allocates its cache; not a simulated one), a cache
-    larger than the devices' free memory is a ValueError naming the largest that fits."""
+def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_memory: bool = True,
+                   platform: Platform | None = None) -> EngineConfig:
+    """Fill what was left open from the model and the platform (paged_jax/platform/, default
+    the one of JAX's default backend): max_model_len, num_blocks, the attention backend
+    behind "auto", the KV cache's dtype, the layer loop, and the platform's defaults for
+    max_num_seqs / max_num_batched_tokens / the KV budget. With `check_memory` (an engine
+    that allocates its cache; not a simulated one), a cache larger than the devices' free
+    memory is a ValueError naming the largest that fits."""
+    platform = platform or current_platform()
+    defaults = platform.defaults
     model_limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
-    platform = jax.default_backend()
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = auto_attention_backend(platform)
-    if backend == "native" and platform != "cpu":
-        raise ValueError(f"attention_backend='native' is the CPU kernel (cpu_kernels/); this is a {platform} "
-                         "machine: use 'pallas' or 'reference'")
+    backend = platform.resolve_attention_backend(config.attention_backend)
     kv_dtype = config.kv_cache_dtype
     if kv_dtype == "auto":
-        kv_dtype = auto_kv_cache_dtype(config.dtype, platform, backend)
+        kv_dtype = platform.kv_cache_dtype(config.dtype, backend)
     num_blocks = config.num_blocks
     if num_blocks is None:
-        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        budget = config.kv_cache_memory_bytes or defaults.kv_cache_memory_bytes
         num_blocks = budget // bytes_per_block(model_config, config.block_size, kv_dtype,
                                                config.tensor_parallel_size)  # the budget is per device
-    layer_loop = config.layer_loop
-    if layer_loop == "auto":  # unrolled on CPU: XLA CPU's fast bf16 dots (decoder.py, unroll_layers)
-        layer_loop = "unroll" if platform == "cpu" else "scan"
+    # platform defaults for what was left open, never above what was set (a token budget or the
+    # largest bucket given): a setting the user made is never refused for a default's sake
+    max_num_seqs = config.max_num_seqs or min(defaults.max_num_seqs, config.max_num_batched_tokens or 2**31,
+                                              config.seq_buckets[-1] if config.seq_buckets else 2**31)
+    max_num_batched_tokens = config.max_num_batched_tokens or max(
+        max_num_seqs, min(defaults.max_num_batched_tokens, config.token_buckets[-1] if config.token_buckets else 2**31))
     resolved = dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
-                                   attention_backend=backend, kv_cache_dtype=kv_dtype, layer_loop=layer_loop)
+                                   attention_backend=backend, kv_cache_dtype=kv_dtype,
+                                   layer_loop=defaults.layer_loop if config.layer_loop == "auto" else config.layer_loop,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     if check_memory:
         check_fits_memory(resolved, config, model_config)
         check_swap_fits_host(resolved, model_config)

@@ -26,13 +26,13 @@ writes K/V into that layer's part of the cache and attends, so the same module r
 a dense cache (`paged_jax.attention.dense_attention`) and on a paged one. The cache rides
 in the scan's carry, so XLA updates a donated cache in place. Token ids may have any
 leading shape (`[batch, seq]` for the dense reference, `[num_tokens]` for a ragged
-batch); only `attention_fn` cares.
+batch); only `attention_fn` cares. Likewise every product with a weight matrix goes
+through a `linear` argument (paged_jax/model/linear.py): the caller (the platform layer,
+through the runner) decides how matmuls run and how the weights are laid out for them,
+so nothing in this file knows which machine it runs on.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 from typing import Any, Callable
 
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.config.model_config import ModelConfig
+from paged_jax.model.linear import XLA_LINEAR, XlaLinear
 from paged_jax.model.llama import init_leaf
 from paged_jax.model.rope import apply_rope, inverse_frequencies, lookup_cos_sin, rope_cos_sin
 
@@ -54,88 +55,6 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-WEIGHT_LAYOUTS = ("in_out", "out_in", "amx_tiles", "f32_columns")
-_WEIGHT_LAYOUT = contextvars.ContextVar("paged_jax_weight_layout", default="in_out")
-
-
-@contextlib.contextmanager
-def weight_layout(layout: str):
-    """While tracing inside this, `dense` takes its weight matrices in `layout`:
-      "in_out"     [in, out], the checkpoint layout (the default);
-      "out_in"     [out, in] (PyTorch's Linear layout), contracted on their last axis;
-      "amx_tiles"  packed once into Intel AMX tiles (`cpu_kernels.amx_matmul.pack_weights`)
-                   and multiplied by the native AMX kernel;
-      "f32_columns"  f32 [N / 16, K, 16] (`cpu_kernels.f32_matmul.pack_columns`), multiplied
-                     by the native AVX-512 FMA kernel.
-    The runner's CPU serving layouts, for bf16 weights: XLA's CPU dot repacks the weights
-    for AMX on every call, which in a 64-row SmolLM2 decode step cost about as much as the
-    matmuls. Packing [out, in] is the cheaper repack (`python -m experiments.weight_layout`:
-    bf16 64-row dots 1.20x faster for gate/up, 1.67x for down; f32 gains nothing from
-    [out, in]), and packing once removes it ("amx_tiles": 1.06-1.63x over "out_in" at 64
-    and 1024 rows, same record). f32 weights in "f32_columns" on the FMA kernel: SmolLM2's
-    64-row projections 1.10-1.38x faster than XLA's dot on [in, out], 0.89-1.10x at 1024
-    rows (same record); the kernel also fuses q/k/v into one call and SwiGLU's product into
-    its epilogue, which the record's single dots do not show."""
-    if layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
-    token = _WEIGHT_LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        _WEIGHT_LAYOUT.reset(token)
-
-
-def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-    """x @ w, accumulated and returned in float32 whatever the weights' dtype.
-
-    Reduced precision is in the weights and the KV cache only: x is cast to w's dtype for
-    the product and the residual stream stays float32. On these CPUs (avx512_bf16) a bf16
-    x bf16 -> f32 dot ran 240-420 GFLOP/s against 150-217 for f32, while dots with bf16
-    *outputs* were the slowest of all. With float32 weights this is the plain f32 matmul.
-    Inside `weight_layout(...)`, w is in that layout.
-    """
-    layout = _WEIGHT_LAYOUT.get()
-    if layout == "amx_tiles":
-        from cpu_kernels.amx_matmul import amx_matmul
-        return amx_matmul(x, w)
-    if layout == "f32_columns":
-        from cpu_kernels.f32_matmul import f32_matmul
-        return f32_matmul(x.astype(jnp.float32), w)
-    if layout == "out_in":
-        return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
-def dense_many(x: jnp.ndarray, *ws: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
-    """(dense(x, w) for w in ws): under the "amx_tiles" and "f32_columns" layouts one native
-    call for all of them (q, k and v: one wake-up of the kernel's threads instead of three, a 64-row decode
-    step makes 60 fewer calls on SmolLM2); elsewhere separate dots, as before."""
-    if _WEIGHT_LAYOUT.get() == "amx_tiles":
-        from cpu_kernels.amx_matmul import amx_matmul_many
-        return amx_matmul_many(x, *ws)
-    if _WEIGHT_LAYOUT.get() == "f32_columns":
-        from cpu_kernels.f32_matmul import f32_matmul_many
-        return f32_matmul_many(x.astype(jnp.float32), *ws)
-    return tuple(dense(x, w) for w in ws)
-
-
-def swiglu(x: jnp.ndarray, w_gate: jnp.ndarray, w_up: jnp.ndarray) -> jnp.ndarray:
-    """silu(x @ w_gate) * (x @ w_up), the SwiGLU MLP's first half. Under the "amx_tiles"
-    layout one native call that keeps both f32 products in registers and returns them
-    combined in bf16, the dtype the down projection's kernel reads (XLA otherwise writes
-    two f32 [tokens, intermediate] arrays and reads them back: 6.3 MB each per layer in a
-    1024-token SmolLM2 prefill chunk); under "f32_columns" the same, returned in f32;
-    elsewhere in float32 from `dense`, as before."""
-    if _WEIGHT_LAYOUT.get() == "amx_tiles":
-        from cpu_kernels.amx_matmul import amx_swiglu
-        return amx_swiglu(x, w_gate, w_up)
-    if _WEIGHT_LAYOUT.get() == "f32_columns":
-        from cpu_kernels.f32_matmul import f32_swiglu
-        return f32_swiglu(x.astype(jnp.float32), w_gate, w_up)
-    return jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)
 
 
 def new_param(name: str, shape: tuple, rngs: nnx.Rngs, dtype) -> nnx.Param:
@@ -182,14 +101,15 @@ class DecoderLayer(nnx.Module):
     def norm(self, x: jnp.ndarray, weight: nnx.Param) -> jnp.ndarray:
         return rms_norm(x, weight[...], self.cfg.rms_norm_eps)
 
-    def mlp(self, x: jnp.ndarray) -> jnp.ndarray:
-        return dense(swiglu(x, self.w_gate[...], self.w_up[...]), self.w_down[...])
+    def mlp(self, x: jnp.ndarray, linear: XlaLinear = XLA_LINEAR) -> jnp.ndarray:
+        return linear.dense(linear.swiglu(x, self.w_gate[...], self.w_up[...]), self.w_down[...])
 
-    def attention(self, x, cos, sin, kv_cache, layer, metadata, attention_fn: AttentionFn):
+    def attention(self, x, cos, sin, kv_cache, layer, metadata, attention_fn: AttentionFn,
+                  linear: XlaLinear = XLA_LINEAR):
         """Project, rotate, attend through `attention_fn` (which writes this layer's K/V), project back."""
         cfg = self.cfg
         tok_shape = x.shape[:-1]
-        q, k, v = dense_many(x, self.wq[...], self.wk[...], self.wv[...])
+        q, k, v = linear.dense_many(x, self.wq[...], self.wk[...], self.wv[...])
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(*tok_shape, cfg.num_heads, cfg.head_dim)
@@ -199,17 +119,18 @@ class DecoderLayer(nnx.Module):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = attention_fn(q, k, v, kv_cache, layer, metadata)
-        out = dense(out.reshape(*tok_shape, cfg.q_size), self.wo[...])
+        out = linear.dense(out.reshape(*tok_shape, cfg.q_size), self.wo[...])
         if cfg.o_bias:
             out = out + self.bo[...]
         return out, kv_cache
 
-    def __call__(self, x, cos, sin, kv_cache, layer, metadata, attention_fn: AttentionFn):
+    def __call__(self, x, cos, sin, kv_cache, layer, metadata, attention_fn: AttentionFn,
+                 linear: XlaLinear = XLA_LINEAR):
         """x [*tok, H] -> (x after this layer, kv_cache with this layer's K/V written)."""
         attn, kv_cache = self.attention(self.norm(x, self.attn_norm), cos, sin, kv_cache, layer, metadata,
-                                        attention_fn)
+                                        attention_fn, linear)
         x = x + attn
-        return x + self.mlp(self.norm(x, self.mlp_norm)), kv_cache
+        return x + self.mlp(self.norm(x, self.mlp_norm), linear), kv_cache
 
 
 class LlamaDecoder(nnx.Module):
@@ -241,7 +162,8 @@ class LlamaDecoder(nnx.Module):
         return rms_norm(x, weight[...], self.cfg.rms_norm_eps)
 
     def __call__(self, token_ids, positions, kv_cache, metadata, attention_fn: AttentionFn, *,
-                 unroll_layers: bool = False, rope_tables: jnp.ndarray | None = None):
+                 linear: XlaLinear = XLA_LINEAR, unroll_layers: bool = False,
+                 rope_tables: jnp.ndarray | None = None):
         """Run the decoder over new tokens.
 
         token_ids, positions: i32[*tok]. kv_cache: any pytree (leaves with a leading
@@ -249,6 +171,9 @@ class LlamaDecoder(nnx.Module):
         Returns (hidden [*tok, hidden_size] after the final norm, the updated kv_cache).
         Logits are a separate step (`compute_logits`) so callers project only the rows
         they sample from.
+
+        linear: how the layers multiply by their matrices (paged_jax/model/linear.py), in the
+        layout the params were packed for; the platform layer picks it, XLA's dot by default.
 
         unroll_layers: a Python loop over the layers (static slices of the stacked
         params, a Python int layer index) instead of `lax.scan`. It compiles num_layers
@@ -264,7 +189,7 @@ class LlamaDecoder(nnx.Module):
         where XLA would recompute them in every layer.
         """
         cfg = self.cfg
-        x = self.embed[...][token_ids].astype(jnp.float32)  # the residual stream is float32 (`dense`)
+        x = self.embed[...][token_ids].astype(jnp.float32)  # the residual stream is float32 (linear.py)
         if rope_tables is not None:
             cos, sin = lookup_cos_sin(rope_tables, positions)
         else:
@@ -274,7 +199,7 @@ class LlamaDecoder(nnx.Module):
         def one_layer(carry, inputs):
             x, kv_cache = carry
             state, index = inputs
-            x, kv_cache = nnx.merge(layer_def, state)(x, cos, sin, kv_cache, index, metadata, attention_fn)
+            x, kv_cache = nnx.merge(layer_def, state)(x, cos, sin, kv_cache, index, metadata, attention_fn, linear)
             return (x, kv_cache), None
 
         if unroll_layers:
@@ -294,9 +219,9 @@ class LlamaDecoder(nnx.Module):
         of SmolLM2 against 3.5 ms as one dot_general (f32: 10 vs 16 ms, so f32 keeps the
         transpose; a one-off measurement, not a committed record)."""
         if self.lm_head is not None:
-            return dense(hidden, self.lm_head[...])
+            return XLA_LINEAR.dense(hidden, self.lm_head[...])
         embed = self.embed[...]
         if embed.dtype == jnp.float32:
-            return dense(hidden, embed.T)
+            return XLA_LINEAR.dense(hidden, embed.T)
         return jax.lax.dot_general(hidden.astype(embed.dtype), embed, (((hidden.ndim - 1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)

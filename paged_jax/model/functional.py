@@ -14,7 +14,7 @@ places: `check_params` compares names and shapes first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,29 +72,16 @@ def restack_layers(params: Params) -> Params:
     return {**params, "layers": jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *params["layers"])}
 
 
-LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what DecoderLayer reads through dense
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what DecoderLayer reads through `linear`
 
 
-def layer_matrices_as(params: Params, layout: str) -> Params:
-    """Every layer's projection matrices in `layout` (see `decoder.weight_layout`): "out_in"
-    transposes them, "amx_tiles" packs them for the AMX kernel, "f32_columns" for the FMA
-    one. Works on stacked layers and on unstack_layers' per-layer dicts; copies, so the
-    caller's arrays are untouched."""
-    if layout == "in_out":
-        return params
-    if layout == "out_in":
-        convert = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
-    elif layout in ("amx_tiles", "f32_columns"):
-        if layout == "amx_tiles":
-            from cpu_kernels.amx_matmul import pack_weights
-        else:
-            from cpu_kernels.f32_matmul import pack_columns as pack_weights
-        convert = lambda a: pack_weights(a) if a.ndim == 2 else jnp.stack([pack_weights(m) for m in a])  # noqa: E731
-    else:
-        raise ValueError(f"unknown weight layout {layout!r}")
+def layer_matrices_as(params: Params, pack: Callable[[jnp.ndarray], jnp.ndarray]) -> Params:
+    """Every layer's projection matrices converted by `pack` (a `Linear.pack`: the layout its
+    `dense` takes, paged_jax/model/linear.py), the other params as they are. Works on stacked
+    layers and on unstack_layers' per-layer dicts; `pack` gets [in, out] or [layers, in, out]."""
 
-    def flip(layer: dict) -> dict:
-        return {name: convert(a) if name in LAYER_MATRICES else a for name, a in layer.items()}
+    def convert(layer: dict) -> dict:
+        return {name: pack(a) if name in LAYER_MATRICES else a for name, a in layer.items()}
 
     layers = params["layers"]
-    return {**params, "layers": tuple(map(flip, layers)) if isinstance(layers, tuple) else flip(layers)}
+    return {**params, "layers": tuple(map(convert, layers)) if isinstance(layers, tuple) else convert(layers)}

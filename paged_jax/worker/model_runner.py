@@ -10,8 +10,12 @@ runs on a native kernel (AMX for bf16, AVX-512 FMA for f32), it also returns eac
 argmax: an all-greedy batch asking no logprobs takes it, skipping the head (`_native_greedy`).
 Copy-on-write block copies run as their own jitted call, only in steps that have any (the
 batch's copy list is padded to max_num_seqs; copying the padding inside every step cost
-36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`). On CPU the layers'
-bf16 and f32 matrices are held in a serving layout (`_serving_weight_layout`).
+36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`).
+
+What differs by device comes from the platform layer (paged_jax/platform/), asked once here
+and handed to the model as arguments: the attention kernels of the resolved backend, and
+the `Linear` (paged_jax/model/linear.py) the layers multiply with, in whose layout the
+weights (and, where it has one, the LM head) are held.
 Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
 compiles afterwards.
 
@@ -45,14 +49,14 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
-from paged_jax.model.decoder import DecoderLayer, LlamaDecoder, weight_layout
-from paged_jax.model.functional import (LAYER_MATRICES, check_params, layer_matrices_as, restack_layers,
-                                       split_model, unstack_layers)
+from paged_jax.model.decoder import LlamaDecoder
+from paged_jax.model.functional import check_params, layer_matrices_as, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
+from paged_jax.platform import current_platform
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
-from paged_jax.worker.block_moves import BlockMovesMixin
+from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import (StepResult, greedy_head, greedy_head_masked, prompt_logprob_head, sampled_head,
@@ -60,23 +64,25 @@ from paged_jax.worker.step_head import (StepResult, greedy_head, greedy_head_mas
 
 
 
-class ModelRunner(BlockMovesMixin):
+class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder,
                  structured_outputs: bool = False):
         """`structured_outputs`: also compile the heads that sample under a token bitmask
         (what the engine asks for when it can compile grammars: it has a tokenizer)."""
-        if config.attention_backend not in ("native", "pallas", "xla", "reference"):
-            raise ValueError(f"resolve attention_backend {config.attention_backend!r} before building the runner")
+        if config.attention_backend == "auto":
+            raise ValueError("resolve attention_backend 'auto' before building the runner (engine/kv_sizing.py)")
+        self.platform = current_platform()
+        self.attention_kernels = self.platform.attention_kernels(config.attention_backend)
         if config.layer_loop not in ("unroll", "scan"):
             raise ValueError(f"resolve layer_loop {config.layer_loop!r} before building the runner")
         # a Python loop over per-layer weights (LlamaDecoder's unroll_layers) where the class's call takes
         # it; a tensor-parallel step keeps the scan (its shardings follow the stacked parameter layout)
-        self.unroll_layers = (config.layer_loop == "unroll" and mesh is None
-                              and "unroll_layers" in inspect.signature(model_class.__call__).parameters)
+        call_parameters = inspect.signature(model_class.__call__).parameters
+        self.unroll_layers = config.layer_loop == "unroll" and mesh is None and "unroll_layers" in call_parameters
         # cos/sin of every position, gathered by the step (rope.rope_tables says why), where the class takes them
         self.rope_tables = None
-        if "rope_tables" in inspect.signature(model_class.__call__).parameters:
+        if "rope_tables" in call_parameters:
             inv_freq = inverse_frequencies(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling)
             self.rope_tables = rope_tables(inv_freq, config.max_model_len)
         self.model_config = model_config
@@ -84,11 +90,20 @@ class ModelRunner(BlockMovesMixin):
         self.graphdef, param_shapes = split_model(model_class, model_config)
         check_params(param_shapes, params, f"params for {model_class.__name__}")
         self.params = unstack_layers(params) if self.unroll_layers else params
-        self.weight_layout = self._serving_weight_layout(params, model_class, mesh)
-        self.params = layer_matrices_as(self.params, self.weight_layout)
-        # with packed layers, the LM head too (its own copy: the embedding also serves the token lookup)
-        self.packed_head = (self._packed_head(params, model_class, self.weight_layout)
-                            if self.weight_layout in ("amx_tiles", "f32_columns") else None)
+        # how the layers multiply by their matrices, and so the layout they are held in
+        self.linear = self.platform.serving_linear(params, model_class, mesh)
+        self.weight_layout = self.linear.name
+        self.params = layer_matrices_as(self.params, self.linear.pack)
+        self.takes_linear = "linear" in call_parameters  # a researcher's own class may not
+        if not self.takes_linear and self.weight_layout != "in_out":
+            raise ValueError(f"{model_class.__name__}.__call__ takes no `linear`, but the platform packed its "
+                             f"weights as {self.weight_layout!r}")
+        # the LM head in the Linear's own layout where it has one (its own copy: the embedding also serves
+        # the token lookup); XLA's dot repacked the 49k x 576 embedding on every CPU step
+        self.packed_head = None
+        if model_class.compute_logits is LlamaDecoder.compute_logits:
+            head = params.get("lm_head")
+            self.packed_head = self.linear.pack_head(params["embed"].T if head is None else head)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
@@ -99,7 +114,7 @@ class ModelRunner(BlockMovesMixin):
         # CPU: on a CPU the step's XLA threads already use every core, and overlapping made
         # the step slower (`python -m experiments.structured_outputs_overhead`, one-off: +19%
         # overlapped against +11% before the step, 32 rows of SmolLM2 on 2 cores)
-        self.overlap_host_work = jax.default_backend() != "cpu"
+        self.overlap_host_work = self.platform.overlap_host_work
         # i32 words of a row's token bitmask; 1 (an unread placeholder) without structured outputs
         self.mask_words = -(-model_config.vocab_size // 32) if structured_outputs else 1
         if config.kv_cache_dtype == "auto":
@@ -115,13 +130,13 @@ class ModelRunner(BlockMovesMixin):
             self.kv_cache = tp.init_kv_cache(model_config, num_blocks, config.block_size, dtype, mesh)
         host_shape = (model_config.num_layers, num_host_blocks, config.block_size, model_config.num_kv_heads,
                       model_config.head_dim)
-        self.host_cache = {name: np.zeros(host_shape, dtype) for name in ("k", "v")}
+        self.block_mover = BlockMover(host_shape, dtype, num_blocks, mesh)  # swap space, whole-block moves
         self.num_compilations = 0  # traces of the step function (one per compiled shape)
-        self.device_seconds = 0.0  # wall time inside device calls (step and swaps)
+        self._step_seconds = 0.0  # wall time inside step calls (`device_seconds` adds the block moves)
         # multi-host leader: sends each step's inputs to the follower processes first
         self.on_step: Callable[[BatchInputs], None] | None = None
         step_shardings = {} if mesh is None else tp.jit_kwargs(mesh, params)
-        swap_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
+        cache_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
         if mesh is not None:  # rope tables, packed head (None here), logits buffer: replicated like the batch
             step_shardings["in_shardings"] = (*step_shardings["in_shardings"], *[tp.replicated(mesh)] * 3)
         if self.rope_tables is not None:
@@ -138,65 +153,7 @@ class ModelRunner(BlockMovesMixin):
         self._sampled_head = jax.jit(self._sampled_head_impl, **head_shardings)
         self._greedy_head_masked = jax.jit(self._greedy_head_masked_impl, **head_shardings)
         self._sampled_head_masked = jax.jit(self._sampled_head_masked_impl, **head_shardings)
-        self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **swap_shardings)
-        self._swap_in = jax.jit(self._swap_in_impl, donate_argnums=(0,), **swap_shardings)
-        self._gather_blocks = jax.jit(self._gather_blocks_impl)
-
-    @staticmethod
-    def _serving_weight_layout(params, model_class, mesh) -> str:
-        """How the layers' matrices are held (decoder.weight_layout says why): on CPU, bf16
-        weights of the stock layers are packed for the AMX kernel where the machine has AMX
-        and every matrix fits its tiles, else kept [out, in]; f32 weights are packed in
-        16-column blocks for the AVX-512 FMA kernel where the machine has AVX-512 and every
-        matrix's columns fit. Other platforms, tensor parallelism (its shardings follow
-        [in, out]), other dtypes and layer classes with their own attention or MLP (they may
-        multiply them any way) keep [in, out]."""
-        layer_class = getattr(model_class, "layer_class", None)
-        layers = params.get("layers", {})
-        if (jax.default_backend() != "cpu" or mesh is not None or layer_class is None
-                or layer_class.attention is not DecoderLayer.attention or layer_class.mlp is not DecoderLayer.mlp
-                or not all(name in layers for name in LAYER_MATRICES)
-                or layers["wq"].dtype not in (jnp.bfloat16, jnp.float32)):
-            return "in_out"
-        if layers["wq"].dtype == jnp.float32:
-            from cpu_kernels import f32_matmul
-            if f32_matmul.supported() and all(f32_matmul.fits(layers[name][0]) for name in LAYER_MATRICES):
-                return "f32_columns"
-            return "in_out"
-        from cpu_kernels import amx_matmul
-        if amx_matmul.supported() and all(amx_matmul.packable(layers[name][0]) for name in LAYER_MATRICES):
-            return "amx_tiles"
-        return "out_in"
-
-    @staticmethod
-    def _packed_head(params, model_class, layout: str):
-        """The LM head ([H, V]: the tied embedding transposed, or lm_head) packed for the
-        layers' native kernel (`layout` "amx_tiles" or "f32_columns"), for the stock
-        `compute_logits` when the vocabulary fits its blocks; else None. XLA's dot repacked
-        the 49k x 576 embedding on every step (~10% of a 64-row SmolLM2 decode step in a
-        `perf` profile, one-off); f32's FMA kernel on the packed copy also returns each row's
-        argmax, as the AMX one does."""
-        if model_class.compute_logits is not LlamaDecoder.compute_logits:
-            return None
-        head = params.get("lm_head")
-        head = params["embed"].T if head is None else head
-        if layout == "f32_columns":
-            from cpu_kernels import f32_matmul
-            return f32_matmul.pack_columns(head) if f32_matmul.fits(head) and head.dtype == jnp.float32 else None
-        from cpu_kernels import amx_matmul
-        return amx_matmul.pack_weights(head) if amx_matmul.packable(head) else None
-
-    @staticmethod
-    def _native_logits(hidden, packed_head, argmax: bool):
-        """hidden @ the packed head on its kernel (the packing says which): the logits, and
-        with `argmax` each row's argmax and its logit too."""
-        if packed_head.dtype == jnp.float32:
-            from cpu_kernels import f32_matmul
-            kernel = f32_matmul.f32_logits_argmax if argmax else f32_matmul.f32_matmul
-        else:
-            from cpu_kernels import amx_matmul
-            kernel = amx_matmul.amx_logits_argmax if argmax else amx_matmul.amx_matmul
-        return kernel(hidden, packed_head)
+        self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **cache_shardings)
 
     # ---- device functions -------------------------------------------------------------
     def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer):
@@ -205,21 +162,22 @@ class ModelRunner(BlockMovesMixin):
         cfg = self.model_config
         meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
         attention = functools.partial(paged_attention, sliding_window=cfg.sliding_window,
-                                      backend=self.config.attention_backend)
+                                      kernels=self.attention_kernels)
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
         extra = {} if rope_tables is None else {"rope_tables": rope_tables}
-        with weight_layout(self.weight_layout):
-            if self.unroll_layers:
-                model = nnx.merge(self.graphdef, restack_layers(params))
-                hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention,
-                                         unroll_layers=True, **extra)
-            else:
-                model = nnx.merge(self.graphdef, params)
-                hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
+        if self.takes_linear:
+            extra["linear"] = self.linear
+        if self.unroll_layers:
+            model = nnx.merge(self.graphdef, restack_layers(params))
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
+                                     **extra)
+        else:
+            model = nnx.merge(self.graphdef, params)
+            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
         greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`_native_greedy`)
         if packed_head is not None:
-            logits, *greedy = self._native_logits(hidden[batch.logits_indices], packed_head, argmax=True)
+            logits, *greedy = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=True)
         else:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
@@ -233,7 +191,7 @@ class ModelRunner(BlockMovesMixin):
         self.num_compilations += 1
         model = nnx.merge(self.graphdef, restack_layers(params) if self.unroll_layers else params)
         if packed_head is not None:
-            logits = self._native_logits(hidden, packed_head, argmax=False)
+            logits = self.linear.head_logits(hidden, packed_head, argmax=False)
         else:
             logits = model.compute_logits(hidden)
         if self.mesh is not None:
@@ -272,7 +230,7 @@ class ModelRunner(BlockMovesMixin):
         return buffer
 
     def _native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
-        """The step's result straight from the head kernel's argmax (`_native_logits`), for
+        """The step's result straight from the head kernel's argmax (`Linear.head_logits`), for
         a batch that `greedy_head` would serve with nothing else to compute: every row greedy,
         no token bitmask, no logprobs asked (`want_top` 0, so its logprobs are the tokens' raw
         logits and its top-K zeros, as here). The tokens are the first maximum of the very
@@ -298,15 +256,6 @@ class ModelRunner(BlockMovesMixin):
             return self._sampled_head(logits, *sampling)
         return self._greedy_head(logits, batch.want_top)
 
-    @staticmethod
-    def _swap_in_impl(kv_cache, dst, k_blocks, v_blocks):
-        return {"k": kv_cache["k"].at[:, dst].set(k_blocks, mode="drop"),
-                "v": kv_cache["v"].at[:, dst].set(v_blocks, mode="drop")}
-
-    @staticmethod
-    def _gather_blocks_impl(kv_cache, src):
-        return kv_cache["k"][:, src], kv_cache["v"][:, src]
-
     # ---- host API ---------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every bucket now, so serving never waits on the compiler."""
@@ -329,8 +278,25 @@ class ModelRunner(BlockMovesMixin):
                                                 np.zeros(PROMPT_LOGPROB_ROWS, np.int32)))
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
-        if self.host_cache["k"].shape[1] or self.config.kv_transfer:  # swaps / prompt K/V moves (block_moves.py)
-            self.warm_up_block_moves()
+        if self.block_mover.num_host_blocks or self.config.kv_transfer:  # swaps / prompt K/V moves
+            self.kv_cache = self.block_mover.warm_up(self.kv_cache)
+
+    @property
+    def device_seconds(self) -> float:
+        """Wall time inside device calls: steps and whole-block moves."""
+        return self._step_seconds + self.block_mover.seconds
+
+    def read_blocks(self, block_ids) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of device blocks `block_ids` as host arrays (BlockMover.read_blocks)."""
+        return self.block_mover.read_blocks(self.kv_cache, block_ids)
+
+    def check_block_arrays(self, num_blocks: int, k: np.ndarray, v: np.ndarray) -> None:
+        """ValueError unless k, v are what write_blocks accepts (BlockMover.check_block_arrays)."""
+        self.block_mover.check_block_arrays(num_blocks, k, v)
+
+    def write_blocks(self, block_ids, k: np.ndarray, v: np.ndarray) -> None:
+        """Overwrite device blocks `block_ids` with K and V (BlockMover.write_blocks)."""
+        self.kv_cache = self.block_mover.write_blocks(self.kv_cache, block_ids, k, v)
 
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (num_seqs, num_tokens) bucket a step can have: what warm-up compiles."""
@@ -354,9 +320,9 @@ class ModelRunner(BlockMovesMixin):
         if callable(token_bitmask) and late is None:  # now: multi-host followers need it in the broadcast batch
             token_bitmask = token_bitmask()
         if output.swap_out:
-            self._do_swap_out(output.swap_out)
+            self.block_mover.swap_out(self.kv_cache, output.swap_out)
         if output.swap_in:
-            self._do_swap_in(output.swap_in)
+            self.kv_cache = self.block_mover.swap_in(self.kv_cache, output.swap_in)
         batch = prepare_batch(output, seqs, self.block_tables, block_size=self.config.block_size,
                               num_blocks=self.num_blocks, seq_buckets=self.config.seq_buckets,
                               token_buckets=self.config.token_buckets, max_copies=self.max_copies,
@@ -388,7 +354,7 @@ class ModelRunner(BlockMovesMixin):
             head = functools.partial(self._prompt_head, self.params, self.packed_head)
             result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
         self._logits_buffers[logits.shape[0]] = logits
-        self.device_seconds += time.perf_counter() - start
+        self._step_seconds += time.perf_counter() - start
         return result
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from paged_jax.attention.decode_dispatch import decode_or_ragged
-from paged_jax.attention.paged_attention import pallas_attention
+from paged_jax.attention.paged_attention import portable_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from tests.helpers.kernel_cases import assert_matches_ragged_reference, make_case, ragged_args
 
@@ -56,11 +56,12 @@ def test_a_prefill_chunk_sends_the_whole_batch_to_ragged():
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gpu_pallas_backend_matches_the_reference(kind, q_lens, context_lens, window, cap, dtype):
     case = _batch(q_lens, context_lens, seed=len(kind), dtype=dtype, group=3)
-    attend = pallas_attention("gpu")
+    attend = portable_kernels("pallas", "gpu").attend
     got = attend(*ragged_args(case), sliding_window=window, soft_cap=cap)
     assert_matches_ragged_reference(got, case, dtype, sliding_window=window, soft_cap=cap)
 
 
 def test_other_platforms_take_the_ragged_kernel_for_every_step():
-    assert pallas_attention("cpu") is ragged_paged_attention
-    assert isinstance(pallas_attention("cuda"), functools.partial)
+    assert portable_kernels("pallas", "cpu").attend is ragged_paged_attention
+    assert portable_kernels("pallas", "tpu").attend is ragged_paged_attention
+    assert isinstance(portable_kernels("pallas", "cuda").attend, functools.partial)

@@ -142,7 +142,8 @@ def test_layer_classes_with_their_own_projections_keep_the_checkpoint_layout(tin
     from paged_jax.model.decoder import DecoderLayer, LlamaDecoder
 
     class OwnMlp(DecoderLayer):
-        def mlp(self, x):
+        def mlp(self, x, linear):
+            del linear  # multiplies its own way: the runner must keep the checkpoint layout
             return jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...]) @ self.w_down[...]
 
     class OwnMlpDecoder(LlamaDecoder):

@@ -40,8 +40,8 @@ class GeluLayerNormLayer(DecoderLayer):
         self.w_up = new_param("w_up", (H, I), rngs, dtype)
         self.w_down = new_param("w_down", (I, H), rngs, dtype)
 
-    def mlp(self, x):
-        return jax.nn.gelu(x @ self.w_up[...]) @ self.w_down[...]
+    def mlp(self, x, linear):
+        return linear.dense(jax.nn.gelu(linear.dense(x, self.w_up[...])), self.w_down[...])
 
     def norm(self, x, weight):
         return layer_norm(x, weight[...], self.cfg.rms_norm_eps)
