@@ -134,6 +134,29 @@ def test_a_missing_repo_says_where_it_looked_and_what_to_run(hub_cache):
         assert part in message, (part, message)
 
 
+def test_a_partly_downloaded_snapshot_is_named_as_such(hub_cache, tmp_path, monkeypatch):
+    """A download cut short: huggingface_hub's tree listing of the commit names the weights,
+    the snapshot lacks them. Said as such, not as "not in the cache" nor as a load error."""
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache  # the listing a download writes
+    _, source, _ = hub_cache
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    (only_config / "config.json").write_bytes((source / "config.json").read_bytes())
+    repo_id = "tiny-org/cut-short"
+    snapshot = write_hub_cache(cache, repo_id, only_config, COMMIT)
+    listing = {name: TreeCacheEntry(size=(source / name).stat().st_size, blob_id=_blob_name(source / name))
+               for name in ("config.json", "model.safetensors")}
+    write_tree_cache(str(snapshot.parent.parent), COMMIT, listing)
+    with pytest.raises(ValueError) as err:
+        load_model(repo_id)
+    message = str(err.value)
+    for part in (f"{repo_id} is only partly in the Hub cache {cache}", "IncompleteSnapshotError", "model.safetensors",
+                 f"hf download {repo_id}"):
+        assert part in message, (part, message)
+
+
 @pytest.mark.parametrize("model,problem", [
     ("tiny-org/two words", "alphanumeric"),  # huggingface_hub's own rule, passed on
     ("tiny-org/a--b", "--"),
