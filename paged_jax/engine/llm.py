@@ -23,7 +23,8 @@ from paged_jax.loading import LoadedModel
 class LLM:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", **engine_settings):
         """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
-        checkpoint or an already loaded model; `engine_settings`: EngineConfig fields."""
+        checkpoint, a Hugging Face Hub id ("Qwen/Qwen3-0.6B") or an already loaded model;
+        `engine_settings`: EngineConfig fields."""
         self.engine = LLMEngine(model, EngineConfig(**engine_settings))
         self._counter = 0
 

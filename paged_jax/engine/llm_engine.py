@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from transformers import PreTrainedTokenizerFast
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
@@ -30,6 +29,7 @@ from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.processor import Processor
 from paged_jax.engine.grammar_matchers import GrammarCompiler, StructuredOutputManager
 from paged_jax.loading import LoadedModel, load_model
+from paged_jax.loading.transformers_import import import_transformers
 from paged_jax.worker.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "completion_seed"]
@@ -47,7 +47,8 @@ def _structured_outputs(loaded: LoadedModel, runner_factory) -> StructuredOutput
     """The grammar matchers for constrained requests, where they can work: a fast Hugging
     Face tokenizer (llguidance reads its vocabulary), llguidance installed, and a runner
     that samples under a mask (ModelRunner; the simulator's model-free runners do not)."""
-    if not isinstance(loaded.tokenizer, PreTrainedTokenizerFast) or importlib.util.find_spec("llguidance") is None:
+    fast_tokenizer = import_transformers().PreTrainedTokenizerFast
+    if not isinstance(loaded.tokenizer, fast_tokenizer) or importlib.util.find_spec("llguidance") is None:
         return None
     if "structured_outputs" not in inspect.signature(runner_factory).parameters:
         return None

@@ -40,7 +40,9 @@ from paged_jax.entrypoints import engine_flags
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """The server's flags, every EngineConfig field, and the multi-host flags."""
     flags.DEFINE_string("model", "smollm2-135m",
-                        "Registered name, GGUF file, Hugging Face directory or paged_jax checkpoint.",
+                        "Registered name, GGUF file, Hugging Face directory, paged_jax checkpoint, or Hugging Face "
+                        "Hub id (owner/name[@revision], e.g. Qwen/Qwen3-0.6B: from the Hub cache, downloaded "
+                        "there unless HF_HUB_OFFLINE=1).",
                         flag_values=flag_values)
     flags.DEFINE_string("served_model_name", None,
                         "The model name clients send and /v1/models lists (default: --model).", flag_values=flag_values)

@@ -13,9 +13,15 @@ alphabet, so the vocabulary and merges go in unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+from paged_jax.loading.transformers_import import import_transformers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 
@@ -92,7 +98,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
         token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
         return tokens[token_id] if token_id is not None else None
 
-    return PreTrainedTokenizerFast(
+    return import_transformers().PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=token("bos"), eos_token=token("eos"), unk_token=token("unknown"), pad_token=token("padding"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre in _IGNORE_MERGES)),

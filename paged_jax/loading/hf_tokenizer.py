@@ -14,6 +14,7 @@ import json
 import os
 
 from paged_jax.loading.errors import WeightFileError, detail, file_size
+from paged_jax.loading.transformers_import import import_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: a tokenizer is there
 _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
@@ -25,9 +26,9 @@ def has_tokenizer(path: str) -> bool:
 
 def load_hf_tokenizer(path: str):
     """transformers.AutoTokenizer.from_pretrained(path); WeightFileError when it fails."""
-    from transformers import AutoTokenizer
+    auto_tokenizer = import_transformers().AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return auto_tokenizer.from_pretrained(path)
     except Exception as err:  # tokenizers' Exception, JSONDecodeError, OSError, ValueError, ...
         broken = _unparsable_json(path)
         if broken is not None:

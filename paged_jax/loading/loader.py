@@ -1,7 +1,8 @@
 """One entry point for every weight source: `load_model("smollm2-135m")`.
 
 Accepts a registered name, a GGUF file, a Hugging Face directory (config.json +
-safetensors + tokenizer files) or a paged_jax orbax checkpoint, and always returns the
+safetensors + tokenizer files), a paged_jax orbax checkpoint, or a Hugging Face Hub id
+(`Qwen/Qwen3-0.6B`: its snapshot directory in the Hub cache, hub.py), and always returns the
 same three things: a ModelConfig, a parameter pytree in paged_jax's layout, and a
 `transformers` tokenizer (with the model's chat template when it has one).
 """
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.config.model_config import ModelConfig
-from paged_jax.loading import checkpoint, registry
+from paged_jax.loading import checkpoint, hub, registry
 from paged_jax.model.llama import Params
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -64,10 +65,24 @@ def detect_kind(path: str) -> str:
     what = "does not exist" if not os.path.exists(path) else (
         "is a file without the GGUF magic bytes" if os.path.isfile(path) else
         "is a directory with neither config.json nor " + checkpoint.MARKER)
-    raise ValueError(
-        f"cannot load model from {path!r}: it {what}. Expected a registered name "
-        f"{sorted(registry.REGISTRY)}, a .gguf file, a Hugging Face directory "
-        "(config.json + *.safetensors) or a paged_jax checkpoint directory")
+    raise ValueError(f"cannot load model from {path!r}: it {what}. Expected {registry.accepted_sources()}")
+
+
+def locate(model: str) -> str:
+    """The file or directory `model` names, in this order: a registered name's GGUF file;
+    an existing file or directory, as given (a local `owner/name` directory wins over the
+    Hub, as in vLLM); a Hub id's snapshot directory (downloaded when online). A bare
+    unknown name gets the registry's error (its registered names); anything else that
+    exists nowhere, the reason it is not a Hub id and every accepted form."""
+    if model in registry.REGISTRY or (os.sep not in model and "/" not in model and not os.path.exists(model)):
+        return registry.resolve(model)
+    if os.path.exists(model):
+        return model
+    problem = hub.hub_id_problem(model)
+    if problem is not None:
+        raise ValueError(f"cannot load model from {model!r}: it does not exist as a file or directory, and it is "
+                         f"not a Hugging Face Hub id ({problem}). Expected {registry.accepted_sources()}")
+    return hub.resolve(model)
 
 
 def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32", shardings=None) -> LoadedModel:
@@ -78,10 +93,7 @@ def load_model(model: str = registry.DEFAULT_MODEL, *, dtype="float32", sharding
     parameters are then placed shard by shard, never whole on one device."""
     start = time.perf_counter()
     target = resolve_dtype(dtype)
-    if model in registry.REGISTRY or (os.sep not in model and not os.path.exists(model)):
-        path = registry.resolve(model)  # a bare unknown name gets "registered names: ..."
-    else:
-        path = model
+    path = locate(model)
     kind = detect_kind(path)
     if kind == "gguf":
         from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer

