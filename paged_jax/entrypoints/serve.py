@@ -35,6 +35,7 @@ from absl import flags
 
 from paged_jax.distributed import multihost
 from paged_jax.entrypoints import engine_flags
+from paged_jax.entrypoints.startup_messages import quiet_missing_backends
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -92,6 +93,7 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     from paged_jax.worker.compilation_cache import enable_compilation_cache
 
     f = flag_values
+    quiet_missing_backends()  # before JAX first looks for its platforms (startup_messages.py says why)
     try:
         config = engine_flags.engine_config_from_flags(flag_values=f)
         distributed = multihost.config_from_flags(f)
@@ -118,14 +120,17 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         from paged_jax.engine.kv_connector import make_connector
         connector = make_connector(f.kv_connector)
         print(f"KV connector {f.kv_connector} at {getattr(connector, 'address', 'in process')}", file=sys.stderr)
-    print(f"serving {settings.served_model_name!r} at http://{f.host}:{f.port}/v1 "
-          f"(max_model_len {engine.config.max_model_len}, {engine.config.num_blocks} KV blocks of "
-          f"{engine.config.block_size}, attention {engine.config.attention_backend}); the KV pool live at "
-          f"http://{f.host}:{f.port}/dashboard", file=sys.stderr)
+    print(f"engine ready: max_model_len {engine.config.max_model_len}, {engine.config.max_num_seqs} sequences and "
+          f"{engine.config.max_num_batched_tokens} tokens per step, {engine.config.num_blocks} KV blocks of "
+          f"{engine.config.block_size}, attention {engine.config.attention_backend}", file=sys.stderr)
+    # printed once the port is bound: the last line of start-up, what "ready" looks like
+    ready = (f"serving {settings.served_model_name} on http://{f.host}:{f.port} (OpenAI API at /v1; "
+             f"dashboard at /dashboard)")
     # process 0 serves and broadcasts each step; other processes (multi-host) follow its steps
     try:
         multihost.run(engine, lambda: serve(build_app(engine, settings, kv_connector=connector), host=f.host,
-                                            port=f.port, log_level=f.log_level, grace=f.shutdown_timeout))
+                                            port=f.port, log_level=f.log_level, grace=f.shutdown_timeout,
+                                            ready_message=ready))
     except EngineDead as exc:  # the traceback was logged by the engine thread when it failed
         print(f"server stopped: {exc}; exiting with status {ENGINE_FAILED_STATUS}", file=sys.stderr)
         sys.exit(ENGINE_FAILED_STATUS)

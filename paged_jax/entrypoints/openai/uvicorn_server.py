@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 
@@ -36,13 +37,19 @@ SHUTDOWN_MESSAGE = "the server is shutting down; the request was aborted"
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, *, grace: float = 5.0):
+    def __init__(self, config: uvicorn.Config, *, grace: float = 5.0, ready_message: str | None = None):
         super().__init__(config)
         self.grace = grace
+        self.ready_message = ready_message
         self.engine_error: BaseException | None = None  # set by engine_failed
         loop = _engine_loop(config.app)
         if loop is not None:
             loop.on_failure = self.engine_failed
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.ready_message:  # uvicorn's own lines come before: this one is last
+            print(self.ready_message, file=sys.stderr, flush=True)
 
     def engine_failed(self, exc: BaseException) -> None:
         """The engine loop's on_failure (called on the engine thread): shut down."""
@@ -86,10 +93,13 @@ def _config(app, *, log_level: str, grace: float, **kwargs) -> uvicorn.Config:
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + 15, **kwargs)
 
 
-def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", grace: float = 5.0) -> None:
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", grace: float = 5.0,
+          ready_message: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM (blocking; call from the main thread). Raises EngineDead
-    (the engine's exception as its cause) when the server stopped because the engine failed."""
-    server = GracefulServer(_config(app, log_level=log_level, grace=grace, host=host, port=port), grace=grace)
+    (the engine's exception as its cause) when the server stopped because the engine failed.
+    `ready_message` is printed to stderr once the port is bound (start-up's last line)."""
+    server = GracefulServer(_config(app, log_level=log_level, grace=grace, host=host, port=port), grace=grace,
+                            ready_message=ready_message)
     server.run()
     if server.engine_error is not None:
         error = server.engine_error
