@@ -1,5 +1,8 @@
-"""experiments/results_table.py (+ results_rows, result_commands): the README's results
-table is generated from the records, deterministically, with reproducing commands."""
+"""experiments/results_table.py (+ results_rows, result_commands): the results table of
+docs/results.md is generated from the records, deterministically, with reproducing commands.
+
+No test here compares the committed page with the records: a new record lands without a
+regenerated page, and what is checked is that every record renders."""
 
 import copy
 import json
@@ -33,29 +36,55 @@ def _load(name):
         return json.load(f)
 
 
-def test_readme_table_is_up_to_date():
-    """CI guard: a results file changed or added without `python -m experiments.results_table`."""
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check"], cwd=REPO,
-                         capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout + run.stderr
+def _page_with_empty_table(tmp_path):
+    """docs/results.md with nothing between its markers: what the command fills in."""
+    with open(os.path.join(REPO, "docs", "results.md")) as f:
+        page = results_table.replace_table(f.read(), "")
+    path = tmp_path / "results.md"
+    path.write_text(page)
+    return path, page
 
 
-def test_check_fails_on_a_stale_readme(tmp_path):
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    stale = tmp_path / "README.md"
-    # one value edited by hand inside the table
-    begin = readme.index(results_table.BEGIN)
-    row = readme.index("| 0.98 |", begin)
-    stale.write_text(readme[:row] + "| 0.99 |" + readme[row + len("| 0.98 |"):])
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check", f"--readme={stale}"],
-                         cwd=REPO, capture_output=True, text=True, check=False)
-    assert run.returncode == 1 and "0.99" in run.stdout
-    # regenerating fixes it, and touches nothing outside the markers
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", f"--readme={stale}"], cwd=REPO,
-                         capture_output=True, text=True, check=False)
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.results_table", *args], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+
+
+def test_the_command_writes_a_row_per_figure_of_every_record(tmp_path):
+    """`python -m experiments.results_table` renders every committed record into the page,
+    whatever the page held before; a new record needs no regenerated page for the tests."""
+    path, empty = _page_with_empty_table(tmp_path)
+    run = _run(f"--doc={path}")
     assert run.returncode == 0, run.stderr
-    assert stale.read_text() == readme
+    written = path.read_text()
+    head, rest = written.split(results_table.BEGIN)
+    table, tail = rest.split(results_table.END)
+    assert f"{head}{results_table.BEGIN}" + f"\n\n{results_table.END}{tail}" == empty  # nothing else touched
+    records = results_table.load_records(RESULTS_DIR)
+    rows = [line for line in table.strip().splitlines()[2:]]
+    assert len(rows) == len(results_table.table_rows(records)) >= len(records)
+    for filename, record in records:
+        command = result_commands.reproducing_command(record).text
+        assert any(f"`{command}`" in row.replace("\\|", "|") for row in rows), f"{filename}: no row with its command"
+
+
+def test_check_fails_on_a_stale_page(tmp_path):
+    path, _ = _page_with_empty_table(tmp_path)
+    assert _run(f"--doc={path}").returncode == 0
+    fresh = path.read_text()
+    assert _run("--check", f"--doc={path}").returncode == 0
+    # one value edited by hand inside the table: the first row's value cell
+    lines = fresh.splitlines(True)
+    first = lines.index(results_table.BEGIN + "\n") + 3  # after the marker, the header and its rule
+    figure, value, rest = lines[first][2:].split(" | ", 2)
+    lines[first] = f"| {figure} | edited by hand | {rest}"
+    path.write_text("".join(lines))
+    run = _run("--check", f"--doc={path}")
+    assert run.returncode == 1 and "edited by hand" in run.stdout
+    # regenerating fixes it, and touches nothing outside the markers
+    run = _run(f"--doc={path}")
+    assert run.returncode == 0, run.stderr
+    assert path.read_text() == fresh
 
 
 def test_every_committed_record_has_its_own_rows():
