@@ -101,7 +101,7 @@ def test_the_docs_have_runnable_blocks_and_every_marker_says_why():
 
 
 @pytest.mark.parametrize("block", list(_run_params()))
-def test_block_runs(block: Block, tmp_path):
+def test_block_runs(block: Block):
     if block.lang == "python":
         argv = [sys.executable, "-c", block.code]
     else:
