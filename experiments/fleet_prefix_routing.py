@@ -149,7 +149,7 @@ def main(argv):
     flag_values = {f.name: f.value for f in (_NUM_REPLICAS, _ROUTER, _POLICIES, _NUM_REQUESTS, _NUM_PREFIXES,
                                             _PREFIX_WORDS, _RATE, _MAX_TOKENS, _REPLICA_FLAGS, _ROUTER_FLAGS, _RUNS,
                                             _PORT, _SEED, _OUTPUT)}
-    routers = ", ".join(sorted({r["router"] for r in runs}))  # the README row names each run's when several
+    routers = ", ".join(sorted({r["router"] for r in runs}))  # the results-table row names each run's when several
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, figures={"runs": runs, "router": routers},
                                 seed=_SEED.value))
 

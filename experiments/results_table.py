@@ -1,14 +1,16 @@
-"""The README's results table, generated from experiments/results/*.json.
+"""The results table of docs/results.md, generated from experiments/results/*.json.
 
-    python -m experiments.results_table            # rewrite the table in README.md
-    python -m experiments.results_table --check    # exit 1 if README.md is not what this writes
+    python -m experiments.results_table            # rewrite the table in docs/results.md
+    python -m experiments.results_table --check    # exit 1 if docs/results.md is not what this writes
 
 Why: a hand-written table drifts from the records it quotes. Here every row (figure in
 words with the run's setting, value, command) is built from one record
 (experiments/reporting/results_rows.py), and the command is one that reproduces the record
-(experiments/reporting/result_commands.py). Only the text between the README's markers
-`<!-- results-table:begin -->` and `<!-- results-table:end -->` is replaced. `--check`
-in the tests makes a results change without a regenerated README fail.
+(experiments/reporting/result_commands.py). Only the text between the page's markers
+`<!-- results-table:begin -->` and `<!-- results-table:end -->` is replaced. The table
+lives in docs/, not in the README, so that a new record changes one generated page; the
+tests check that every record renders a row, not that the committed page was regenerated
+(`--check` is there for whoever wants that guard).
 
 Rows come in the order of results_rows.BUILDERS (then records of scripts no builder
 knows, by name), records of one script by file name; output depends only on the files'
@@ -33,9 +35,10 @@ BEGIN = "<!-- results-table:begin -->"
 END = "<!-- results-table:end -->"
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_README = flags.DEFINE_string("readme", "README.md", "The README whose table (between the markers) is generated.")
-_CHECK = flags.DEFINE_boolean("check", False, "Write nothing; exit 1 if the README's table is not what would be "
-                                              "written (CI: results changed without regenerating the README).")
+_DOC = flags.DEFINE_string("doc", os.path.join("docs", "results.md"),
+                           "The page whose table (between the markers) is generated; relative to the repository.")
+_CHECK = flags.DEFINE_boolean("check", False, "Write nothing; exit 1 if the page's table is not what would be "
+                                              "written (results changed without regenerating the page).")
 
 
 def load_records(results_dir: str) -> list[tuple[str, dict]]:
@@ -96,11 +99,11 @@ def render_table(records: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def replace_table(readme: str, table: str) -> str:
-    """readme with the text between the markers replaced by table (markers kept)."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise ValueError(f"the README needs exactly one {BEGIN} followed by one {END}")
-    head, rest = readme.split(BEGIN)
+def replace_table(page: str, table: str) -> str:
+    """page with the text between the markers replaced by table (markers kept)."""
+    if page.count(BEGIN) != 1 or page.count(END) != 1 or page.index(BEGIN) > page.index(END):
+        raise ValueError(f"the page needs exactly one {BEGIN} followed by one {END}")
+    head, rest = page.split(BEGIN)
     _, tail = rest.split(END)
     return f"{head}{BEGIN}\n{table}\n{END}{tail}"
 
@@ -118,26 +121,26 @@ def rebuilt_commands(records: list[tuple[str, dict]]) -> list[str]:
 def main(argv):
     del argv
     results_dir = RESULTS_DIR  # always the committed records (no --results_dir: plots.py owns that flag name)
-    readme_path = _README.value if os.path.isabs(_README.value) else os.path.join(_REPO, _README.value)
+    page_path = _DOC.value if os.path.isabs(_DOC.value) else os.path.join(_REPO, _DOC.value)
     records = load_records(results_dir)
-    with open(readme_path) as f:
-        readme = f.read()
-    updated = replace_table(readme, render_table(records))
+    with open(page_path) as f:
+        page = f.read()
+    updated = replace_table(page, render_table(records))
     if _CHECK.value:
-        if updated != readme:
-            sys.stdout.writelines(difflib.unified_diff(readme.splitlines(True), updated.splitlines(True),
-                                                       "README.md", "generated", n=0))
-            print(f"\n{readme_path} is not what `python -m experiments.results_table` writes from {results_dir}: "
-                  "run it and commit the README.", file=sys.stderr)
+        if updated != page:
+            sys.stdout.writelines(difflib.unified_diff(page.splitlines(True), updated.splitlines(True),
+                                                       os.path.basename(page_path), "generated", n=0))
+            print(f"\n{page_path} is not what `python -m experiments.results_table` writes from {results_dir}: "
+                  "run it and commit the page.", file=sys.stderr)
             sys.exit(1)
-        print(f"{readme_path}: results table up to date ({len(records)} records)")
+        print(f"{page_path}: results table up to date ({len(records)} records)")
         return
     for note in rebuilt_commands(records):
         print(note)
-    if updated != readme:
-        with open(readme_path, "w") as f:
+    if updated != page:
+        with open(page_path, "w") as f:
             f.write(updated)
-    print(f"wrote the results table of {len(records)} records into {readme_path}")
+    print(f"wrote the results table of {len(records)} records into {page_path}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def router_command(binary: str, port: int, policy: str, *, router: str = "vllm",
     tie), and in sglang-router 0.2.3 to the replica whose prompt tree is smallest, which spreads
     distinct prompts evenly (sglang-router 0.2.4 and later switched to vllm-router's rule).
     sglang-router matches characters (vllm-router tokens) and refuses token-id prompts (422 from
-    0.2.3 itself; chat, cache_salt and structured outputs pass) (README, "Fleets").
+    0.2.3 itself; chat, cache_salt and structured outputs pass) (docs/fleets.md).
     """
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")

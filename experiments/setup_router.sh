@@ -5,7 +5,7 @@
 #     bash experiments/setup_router.sh sglang              # sglang-router (serve_fleet --router=sglang)
 #     ROUTER_VENV=/tmp/router-venv bash experiments/setup_router.sh
 #
-# Why vllm-router by default (measured against sglang-router 0.3.2, README "Fleets"): it passes every
+# Why vllm-router by default (measured against sglang-router 0.3.2, docs/fleets.md): it passes every
 # vLLM request extension paged_jax serves (cache_salt, priority, kv_transfer_params, structured
 # outputs, token-id prompts) through unchanged, its cache-aware policy matches token prefixes through
 # the replicas' /tokenize, and its prefill / decode mode is the kv_transfer_params handshake paged_jax's

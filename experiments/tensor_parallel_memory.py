@@ -88,7 +88,7 @@ def main(argv):
               f"blocks per {_KV_BUDGET.value / 2**20:.0f} MiB/device budget: {run['num_blocks_per_budget']}")
     path = write_result("tensor_parallel_memory", flags={k: flags.FLAGS[k].value for k in (
         "model", "tensor_parallel_sizes", "num_cpu_devices", "block_size", "num_blocks", "kv_cache_memory_bytes",
-        "dtype")}, figures={  # summary scalars first (the README table shows them): largest N vs the first
+        "dtype")}, figures={  # summary scalars first (the results table shows them): largest N vs the first
         "tensor_parallel_size": runs[-1]["tensor_parallel_size"],
         "param_bytes_per_device_fraction": round(runs[-1]["param_fraction_of_first"], 4),
         "kv_bytes_per_device_fraction": round(runs[-1]["kv_fraction_of_first"], 4),

@@ -199,9 +199,11 @@ def test_host_side_imports_neither_jax_nor_numpy():
 
 
 def test_readme_layout_names_every_package():
-    """The README's layout block lists exactly the layers (and nothing that no longer exists)."""
+    """The README's layout block (the fenced block that starts with `paged_jax/`) lists exactly
+    the layers (and nothing that no longer exists)."""
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    blocks = [block.split("\n", 1)[1] for block in readme.split("```")[1::2] if "\n" in block]
+    [block] = [b for b in blocks if b.startswith("paged_jax/\n")]
     listed = [line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("  ") and
               line.split() and line.split()[0].endswith("/")]
     on_disk = sorted(p.name for p in (ROOT / "paged_jax").iterdir() if (p / "__init__.py").exists())

@@ -1,1 +1,1 @@
-"""Shared code of the results files, the README table and the plots."""
+"""Shared code of the results files, the results table (docs/results.md) and the plots."""

@@ -1,4 +1,4 @@
-"""README row of the dashboard's cost record (experiments/dashboard_cost.py): a KV-pool
+"""Results-table row (docs/results.md) of the dashboard's cost record (experiments/dashboard_cost.py): a KV-pool
 snapshot against an engine step, and the engine's step rate with viewers open vs none.
 
 Split from results_rows.py as peer_rows.py is (results_rows imports it into BUILDERS

@@ -1,4 +1,4 @@
-"""README rows of the disaggregated prefill / decode records: in one driver process
+"""Results-table rows (docs/results.md) of the disaggregated prefill / decode records: in one driver process
 (experiments/disagg_prefill_decode.py: outputs against one mixed engine, the K/V moved
 per request, and the short requests' TPOT / TTFT in both setups) and through the router
 (experiments/fleet_pd.py: the same trace over HTTP, vllm-router's prefill / decode mode

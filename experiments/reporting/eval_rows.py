@@ -1,4 +1,4 @@
-"""README row of the lm-evaluation-harness run against our server (experiments/lm_eval_run.py):
+"""Results-table row (docs/results.md) of the lm-evaluation-harness run against our server (experiments/lm_eval_run.py):
 what lm-eval reported, and how its inputs from us compared with transformers' and with our
 own offline engine.
 

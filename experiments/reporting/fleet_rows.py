@@ -1,4 +1,4 @@
-"""README row of the fleet simulation record (experiments/simulate_fleet.py): per routing
+"""Results-table row (docs/results.md) of the fleet simulation record (experiments/simulate_fleet.py): per routing
 policy, the fleet's prefix-cache hit rate, TTFT p50 / p90, throughput and balance.
 
 Split from results_rows.py as peer_rows.py is (results_rows imports it into BUILDERS

@@ -1,4 +1,4 @@
-"""README rows of the hardening records: the server's soak (experiments/soak.py: every
+"""Results-table rows (docs/results.md) of the hardening records: the server's soak (experiments/soak.py: every
 served answer against the offline engine, leaks, RSS, counters) and its schema fuzzing
 (experiments/fuzz_server.py).
 

@@ -1,4 +1,4 @@
-"""README rows of the attention kernels' records: bench_kernel (CPU or GPU) and
+"""Results-table rows (docs/results.md) of the attention kernels' records: bench_kernel (CPU or GPU) and
 attention_backends (the engine end to end under each attention backend).
 
 On a GPU the figures that matter are the kernel against dense attention over contiguous

@@ -1,4 +1,4 @@
-"""README rows of the peer comparisons: transformers (peer_hf), vLLM's CPU backend
+"""Results-table rows (docs/results.md) of the peer comparisons: transformers (peer_hf), vLLM's CPU backend
 (peer_vllm), where our own time on the vLLM trace goes (trace_step_breakdown), the
 CPU matmul layouts behind it (weight_layout), how far the served step is from this CPU's
 roofline (roofline), and what bf16 changes in our own outputs (bf16_agreement).

@@ -3,8 +3,8 @@
 Why: every record carries the `command` that wrote it (results_io.write_result), but a
 record can outlive its command line: a script renamed or run through another entry point
 writes the wrong module, and flags left at their default are missing from the line, so
-a later change of a default silently changes what the command runs. The README's
-results table prints a command beside each figure, so it must be one that reproduces
+a later change of a default silently changes what the command runs. The
+results table (docs/results.md) prints a command beside each figure, so it must be one that reproduces
 the record. Here the record's `flags` (every flag value of the run) are compared with
 the command line and with the script's current defaults, read statically from the
 script's `flags.DEFINE_*` calls (no import: the scripts define clashing flag names and

@@ -69,7 +69,7 @@ def write_result(name: str, *, flags: dict, figures: dict, seed: int | None = No
     record = {
         "name": name,
         # shell-quoted: a flag value with spaces (--replica_flags="...") stays one argument; "python"
-        # whatever this interpreter's file is called (python3 on some machines): the README's word
+        # whatever this interpreter's file is called (python3 on some machines): the docs' word
         "command": shlex.join(["python", "-m", f"experiments.{module}"] + sys.argv[1:]),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flags": portable(flags),

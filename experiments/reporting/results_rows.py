@@ -1,6 +1,6 @@
-"""README results-table rows from results records, one builder per experiments script.
+"""Results-table rows (docs/results.md) from results records, one builder per experiments script.
 
-Why: a figure in the README must say what was run (model, workload, request counts,
+Why: a figure in the docs must say what was run (model, workload, request counts,
 block size) and what came out, and both must come from the record, so that a rerun
 with other flags changes the words as well as the numbers. Every number here is read
 from a record's `flags` or `figures`; the only constants are words (what a script

@@ -1,4 +1,4 @@
-"""README row of the simulator's profile (experiments/profile_simulator.py): how its
+"""Results-table row (docs/results.md) of the simulator's profile (experiments/profile_simulator.py): how its
 steps split between real engine steps, schedule()-only steps and directly applied ones,
 and where the time goes.
 

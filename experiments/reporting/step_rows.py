@@ -1,4 +1,4 @@
-"""README rows of the step-cost records: a decode step by part (step_profile), by KV pool
+"""Results-table rows (docs/results.md) of the step-cost records: a decode step by part (step_profile), by KV pool
 size (step_time_vs_cache_size), by padded shape (step_shape_costs), the host's share
 late in long outputs (host_time_vs_output_len), and with or without the native kernels'
 spinning helper threads (helper_threads).

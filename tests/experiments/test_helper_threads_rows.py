@@ -1,4 +1,4 @@
-"""experiments/helper_threads.py's summary of its rounds and its README row, on made-up
+"""experiments/helper_threads.py's summary of its rounds and its results-table row, on made-up
 figures (no model runs). The script's absl flags clash with other experiments' in one
 test process, so its pure function runs in a subprocess."""
 
@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+
+from tests.helpers.row_numbers import numbers, shows_in_order
 
 from experiments.reporting import results_rows
 
@@ -38,5 +40,7 @@ def test_row():
               "environment": {"platform": "cpu", "cpu_count": 2},
               "figures": {"model": "random:tiny_llama", "steps": steps}}
     [(figure, value)] = results_rows.BUILDERS["helper_threads"](record)
-    assert "step ms with XLA's pool / 300 us" in figure and "6 alternating rounds" in figure
-    assert value.startswith("float32 decode 64: 120.0 / 100.0 ms (1.20x); bfloat16 prefill 256: 50.0 / 51.0 ms (0.98x)")
+    assert {"256", "6", "300"} <= set(numbers(figure))  # context, rounds, the spin window compared
+    # per step, in the record's order: ms with XLA's pool, ms with the window, the speedup
+    assert shows_in_order(value, "64", "120.0", "100.0", "1.20", "256", "50.0", "51.0", "0.98")
+    assert value.index("float32") < value.index("bfloat16")

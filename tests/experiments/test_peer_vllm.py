@@ -1,4 +1,4 @@
-"""experiments/peer_vllm.py's figures, without vLLM: tok/s, the greedy comparison, the README row.
+"""experiments/peer_vllm.py's figures, without vLLM: tok/s, the greedy comparison, the results-table row.
 
 The comparison with vLLM is only worth its ratio if every output is compared and a
 difference passes only at a checked near-tie; these run the pure functions of
@@ -18,6 +18,8 @@ from experiments.benchmarks.vllm_worker import (
     tie_queries,
     wrong_lengths,
 )
+from tests.helpers.row_numbers import numbers, shows_in_order
+
 from experiments.reporting import results_rows
 
 PROMPTS = [[5, 6], [7], [8, 9, 10]]
@@ -109,14 +111,15 @@ def _record(runs_check):
 def test_row_reads_figures_and_reports_mismatches():
     equal = {"equal": 64, "near_tie": 0, "mismatch": 0, "unchecked": 0}
     [(figure, value)] = results_rows.peer_vllm(_record({"paged_jax round 1": equal, "paged_jax round 2": equal}))
-    assert "vLLM 0.32.0" in figure and "64 ShareGPT-like" in figure and "float32" in figure
-    assert value.startswith("100.0 / 80.0 / 120.0; paged_jax / vLLM 1.20x / 1.50x; outputs equal token for token")
+    assert "vLLM 0.32.0" in figure and "ShareGPT-like" in figure and "float32" in figure
+    assert shows_in_order(figure, "64")
+    # vLLM both cores / default, paged_jax tok/s, then paged_jax / vLLM per mode
+    assert numbers(value)[:5] == ["100.0", "80.0", "120.0", "1.20", "1.50"]
     record = _record({"paged_jax round 1": equal})
     record["figures"]["summary"]["both_cores"]["ratio_per_round"] = [1.31, 1.09]
-    [(_, value)] = results_rows.peer_vllm(record)
-    assert value.startswith("100.0 / 80.0 / 120.0; paged_jax / vLLM 1.20x / 1.50x (per round vs both_cores: "
-                            "1.31 / 1.09); outputs equal")
+    [(_, per_round)] = results_rows.peer_vllm(record)
+    assert numbers(per_round)[:7] == ["100.0", "80.0", "120.0", "1.20", "1.50", "1.31", "1.09"]
     off = {"equal": 61, "near_tie": 2, "mismatch": 1, "unchecked": 0}
-    [(_, value)] = results_rows.peer_vllm(_record({"vllm default round 1": equal, "paged_jax round 1": off}))
-    assert "61 equal, 2 near ties, 1 mismatches" in value and "token for token" not in value
+    [(_, mismatched)] = results_rows.peer_vllm(_record({"vllm default round 1": equal, "paged_jax round 1": off}))
+    assert shows_in_order(mismatched, "61", "2", "1") and mismatched != value  # the counts, where not all equal
     assert results_rows.BUILDERS["peer_vllm"] is results_rows.peer_vllm

@@ -1,5 +1,8 @@
-"""experiments/results_table.py (+ results_rows, result_commands): the README's results
-table is generated from the records, deterministically, with reproducing commands."""
+"""experiments/results_table.py (+ results_rows, result_commands): the results table of
+docs/results.md is generated from the records, deterministically, with reproducing commands.
+
+No test here compares the committed page with the records: a new record lands without a
+regenerated page, and what is checked is that every record renders."""
 
 import copy
 import json
@@ -11,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.helpers.row_numbers import numbers, shows_in_order
 from tests.helpers.synthetic_records import (
     block_sweep_record,
     serving_sweep_record,
@@ -33,29 +37,55 @@ def _load(name):
         return json.load(f)
 
 
-def test_readme_table_is_up_to_date():
-    """CI guard: a results file changed or added without `python -m experiments.results_table`."""
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check"], cwd=REPO,
-                         capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout + run.stderr
+def _page_with_empty_table(tmp_path):
+    """docs/results.md with nothing between its markers: what the command fills in."""
+    with open(os.path.join(REPO, "docs", "results.md")) as f:
+        page = results_table.replace_table(f.read(), "")
+    path = tmp_path / "results.md"
+    path.write_text(page)
+    return path, page
 
 
-def test_check_fails_on_a_stale_readme(tmp_path):
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    stale = tmp_path / "README.md"
-    # one value edited by hand inside the table
-    begin = readme.index(results_table.BEGIN)
-    row = readme.index("| 0.98 |", begin)
-    stale.write_text(readme[:row] + "| 0.99 |" + readme[row + len("| 0.98 |"):])
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", "--check", f"--readme={stale}"],
-                         cwd=REPO, capture_output=True, text=True, check=False)
-    assert run.returncode == 1 and "0.99" in run.stdout
-    # regenerating fixes it, and touches nothing outside the markers
-    run = subprocess.run([sys.executable, "-m", "experiments.results_table", f"--readme={stale}"], cwd=REPO,
-                         capture_output=True, text=True, check=False)
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.results_table", *args], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+
+
+def test_the_command_writes_a_row_per_figure_of_every_record(tmp_path):
+    """`python -m experiments.results_table` renders every committed record into the page,
+    whatever the page held before; a new record needs no regenerated page for the tests."""
+    path, empty = _page_with_empty_table(tmp_path)
+    run = _run(f"--doc={path}")
     assert run.returncode == 0, run.stderr
-    assert stale.read_text() == readme
+    written = path.read_text()
+    head, rest = written.split(results_table.BEGIN)
+    table, tail = rest.split(results_table.END)
+    assert f"{head}{results_table.BEGIN}" + f"\n\n{results_table.END}{tail}" == empty  # nothing else touched
+    records = results_table.load_records(RESULTS_DIR)
+    rows = [line for line in table.strip().splitlines()[2:]]
+    assert len(rows) == len(results_table.table_rows(records)) >= len(records)
+    for filename, record in records:
+        command = result_commands.reproducing_command(record).text
+        assert any(f"`{command}`" in row.replace("\\|", "|") for row in rows), f"{filename}: no row with its command"
+
+
+def test_check_fails_on_a_stale_page(tmp_path):
+    path, _ = _page_with_empty_table(tmp_path)
+    assert _run(f"--doc={path}").returncode == 0
+    fresh = path.read_text()
+    assert _run("--check", f"--doc={path}").returncode == 0
+    # one value edited by hand inside the table: the first row's value cell
+    lines = fresh.splitlines(True)
+    first = lines.index(results_table.BEGIN + "\n") + 3  # after the marker, the header and its rule
+    figure, value, rest = lines[first][2:].split(" | ", 2)
+    lines[first] = f"| {figure} | edited by hand | {rest}"
+    path.write_text("".join(lines))
+    run = _run("--check", f"--doc={path}")
+    assert run.returncode == 1 and "edited by hand" in run.stdout
+    # regenerating fixes it, and touches nothing outside the markers
+    run = _run(f"--doc={path}")
+    assert run.returncode == 0, run.stderr
+    assert path.read_text() == fresh
 
 
 def test_every_committed_record_has_its_own_rows():
@@ -101,14 +131,13 @@ def test_allocator_row_reads_the_timeline_era_fields():
     record["figures"].update({"mean_prompt_tokens": 10.0, "mean_output_tokens": 20.0})
     [(figure, value)] = results_rows.benchmark_throughput(record)
     # utilization; mean batched (3+6+8+8+7+2)/6 = 5.67 and 11/6 = 1.83; saturated (max) 8 and 2; tok/s
-    assert value == "0.950 / 0.250; 5.7 / 1.8; 8.0 / 2.0; 10.0 / 10.0"
-    assert "17 blocks of 8 = 2 max-length sequences" in figure and "12 ShareGPT-like requests at scale 0.5" in figure
+    assert numbers(value) == ["0.950", "0.250", "5.7", "1.8", "8.0", "2.0", "10.0", "10.0"]
+    assert shows_in_order(figure, "17", "8", "2", "12", "0.5")  # blocks of 8 = max-length seqs; requests at scale
     for row, rate in zip(record["figures"]["allocators"], (31.25, 12.5)):
         row["saturated_tokens_per_s"] = rate
-    [(figure, value)] = results_rows.benchmark_throughput(record)
-    assert value.endswith("; 10.0 / 10.0; 31.2 / 12.5") and figure.endswith("; batched while requests wait; "
-                                                                             "output tok/s; output tok/s while "
-                                                                             "requests wait")
+    [(figure2, value)] = results_rows.benchmark_throughput(record)
+    # a fifth column, named in the figure: tok/s while requests wait
+    assert numbers(value)[-4:] == ["10.0", "10.0", "31.2", "12.5"] and figure2.count(";") == figure.count(";") + 1
 
 
 def test_rows_of_the_coming_schemas():
@@ -124,9 +153,9 @@ def test_rows_of_the_coming_schemas():
 def test_step_time_model_row():
     [(figure, value)] = results_rows.calibrate_step_time(step_time_record())
     # 0.012 s = 12.00 ms, 0.0004 s = 0.400 ms, 0.0001 s = 0.100 ms, 2e-6 s = 2.000 us
-    assert value == ("12.00 ms + 0.400 ms/token + 0.100 ms/seq + 2.000 us/context token; held-out relative "
-                     "error mean 0.080, p90 0.110, summed time 0.010 (fit: mean 0.050)")
-    assert "300 engine steps of a ShareGPT-like trace, tiny on x86_64; error on 120 held-out steps (Alpaca-like)" in figure
+    # then the held-out relative error's mean, p90 and summed time, and the fit's mean
+    assert numbers(value) == ["12.00", "0.400", "0.100", "2.000", "0.080", "0.110", "0.010", "0.050"]
+    assert shows_in_order(figure, "300", "120") and "tiny" in figure and "x86_64" in figure  # fit / held-out steps
     generic = results_rows.generic({**step_time_record(), "name": "x"})  # a dict "model" does not break it
     assert generic[0][0].startswith("`x`: tiny on x86_64")
 
@@ -137,7 +166,8 @@ def test_simulate_rows_and_unknown_schema(capsys):
     record = {"name": "simulate", "flags": {"num_requests": 100000, "workload": "alpaca"},
               "figures": {"rows": rows, "model": "step-time model"}}
     [(figure, value)] = results_rows.simulate(record)
-    assert value == "0.970 / 0.200; 40.0 / 5.0; 61 s / 61 s" and "100000 Alpaca-like requests, block 16" in figure
+    # paged first: utilization, mean batched, wall seconds per allocator
+    assert numbers(value) == ["0.970", "0.200", "40.0", "5.0", "61", "61"] and shows_in_order(figure, "100000", "16")
     assert results_rows.simulate({"name": "simulate", "figures": {"something": 1}}) == []
     assert "simulate: no rows" in capsys.readouterr().err
 
@@ -220,9 +250,9 @@ def test_batching_vs_spread_row():
               "flags": {"num_requests": 50, "block_size": 16},
               "figures": {"workload": "sharegpt", "num_blocks": 728, "points": [point(0.4, 1.25, 1.5), point(1.2, 2.5, 1.9)]}}
     [(figure, value)] = results_rows.batching_vs_spread(record)
-    assert value == ("sigma 0.4 (output cv 0.20): 1.25, 3.75 (fluid 1.50); "
-                     "sigma 1.2 (output cv 0.60): 2.50, 7.50 (fluid 1.90)")
-    assert "50 ShareGPT-like requests" in figure and "paged / contiguous-oracle, paged / contiguous-max" in figure
+    # per sigma: the output cv (sigma / 2 here), paged / oracle, paged / max (3x), the fluid model's ratio
+    assert numbers(value) == ["0.4", "0.20", "1.25", "3.75", "1.50", "1.2", "0.60", "2.50", "7.50", "1.90"]
+    assert "50" in numbers(figure) and "ShareGPT-like" in figure
 
 
 def test_records_name_files_portably():

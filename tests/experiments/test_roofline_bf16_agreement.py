@@ -1,5 +1,5 @@
 """experiments/roofline.py and experiments/bf16_agreement.py: their counting and comparison
-functions, README rows and the roofline plot, on made-up figures (no model runs).
+functions, results-table rows and the roofline plot, on made-up figures (no model runs).
 
 The scripts define absl flags that clash with experiments/peer_hf.py's in one test
 process, so their pure functions run in a subprocess; the rows and the plot are in
@@ -11,7 +11,10 @@ import os
 import subprocess
 import sys
 
+from tests.helpers.row_numbers import numbers, shows_in_order
+
 from experiments import plots
+
 from experiments.reporting import results_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,10 +92,10 @@ def test_roofline_rows_and_plot(tmp_path):
     record = _roofline_record()
     rows = results_rows.BUILDERS["roofline"](record)
     assert [f.split(", ")[2].split(" ")[0] for f, _ in rows] == ["float32", "bfloat16"]
-    assert rows[1][1].startswith("decode 8: 20.0 ms, 90 GFLOP/s (30.0% of 300), 15.0 GB/s (71.4%), 1.5x the memory "
-                                 "bound, 1.25x the serial bound (which allows 60.0%)")
-    assert "serial bound (matmuls at the ceiling" in rows[1][0]
-    assert "prefill 1024: 500.0 ms, 430 GFLOP/s (43.0% of 1000)" in rows[1][1]
+    # bf16 decode 8: 20 ms, 90 GFLOP/s = 30.0% of the 300 ceiling, 15.0 GB/s = 71.4% of 21,
+    # 1.5x the memory bound, 1.25x the serial bound, which allows 60.0%
+    assert numbers(rows[1][1])[:10] == ["8", "20.0", "90", "30.0", "300", "15.0", "71.4", "1.5", "1.25", "60.0"]
+    assert shows_in_order(rows[1][1], "1024", "500.0", "430", "43.0", "1000")  # prefill: 430 / 1000 = 43.0%
     path = plots.roofline(record, str(tmp_path))
     assert path == str(tmp_path / "roofline.png") and os.path.getsize(path) > 5_000
     assert plots.PLOTS["roofline"][0] == "roofline.json"
@@ -109,6 +112,7 @@ def test_bf16_agreement_row():
                                      "f32_gaps_on_disagreement": [0.0123]},
                           "divergences": {"median_float32_gap": 0.05}}}
     [(figure, value)] = results_rows.BUILDERS["bf16_agreement"](record)
-    assert "64 ShareGPT-like requests, outputs capped at 120" in figure and "first 16 prompts" in figure
-    assert value.startswith("40/64 equal; 81.2%; first differences at token 37.5 (median; quartiles 12-80)")
-    assert "top-1 agreement 93.8%, f32 gap between the two tokens 0.0123" in value and value.endswith("0.05 (median)")
+    assert shows_in_order(figure, "64", "120", "16")  # requests, output cap, prompts whose logits are compared
+    # 40 of 64 equal, 81.2% before the first difference, its median and quartiles
+    assert numbers(value)[:6] == ["40", "64", "81.2", "37.5", "12", "80"]
+    assert shows_in_order(value, "93.8", "0.0123", "0.05") and numbers(value)[-1] == "0.05"
