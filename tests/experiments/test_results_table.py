@@ -231,7 +231,8 @@ def test_flag_defaults_are_read_from_the_scripts():
     assert defaults["kv_cache_memory_bytes"] == 512 * 2**20 and defaults["widths"] == ["2", "4", "6"]
     assert defaults["ignore_eos"] is True
     serving = result_commands.flag_defaults("benchmark_serving")  # EngineConfig fields via define_engine_flags
-    assert serving["max_num_batched_tokens"] == 256 and "seed" in serving  # seed: the script's own flag
+    assert serving["block_size"] == 16 and serving["max_num_batched_tokens"] is None  # None: the platform default
+    assert "seed" in serving  # the script's own flag
     assert result_commands.flag_defaults("benchmark_throughput")["kv_allocator"] is result_commands.UNKNOWN
 
 
