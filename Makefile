@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test install install-test clean
+.PHONY: serve test lint install install-test clean
 
 $(VENV)/.runtime-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ serve: $(VENV)/.runtime-installed
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

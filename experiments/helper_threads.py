@@ -19,6 +19,7 @@ the median of the rounds' own ratios. Writes experiments/results/<output>.json.
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from absl import app, flags
@@ -72,7 +73,7 @@ def measure_dtype(model, dtype: str, windows: list[int], rng) -> list:
                 times = {}
                 for w in windows:
                     helper_threads.set_spin_us(w)
-                    times[w] = median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+                    times[w] = median_ms(functools.partial(runner.run_batch, batch), _ITERS.value)
                 rounds.append(times)
             rows.append(dict(summarize(kind, len(q_lens), sum(q_lens), windows, rounds), dtype=dtype))
             r = rows[-1]["windows"]

@@ -104,6 +104,5 @@ def main(argv):
 
 if __name__ == "__main__":
     from absl import app
-    from absl import flags as absl_flags
     _define_flags()
     app.run(main)

@@ -51,6 +51,7 @@ ratio is the median of the rounds' own (the record keeps every round). Writes ex
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from absl import app, flags
@@ -145,7 +146,7 @@ def measure_dtype(model, dtype: str, bandwidth: "ReadBandwidth", rng) -> tuple[l
         # and its ceilings together; each ratio below is the median of the rounds' ratios
         rounds = []
         for _ in range(_ROUNDS.value):
-            step_ms = median_ms(lambda: runner.run_batch(batch), _ITERS.value)
+            step_ms = median_ms(functools.partial(runner.run_batch, batch), _ITERS.value)
             gflops = probe.round(mm_rows)
             rounds.append((step_ms, max(gflops.values()), bandwidth.gbs()))
             seen = ceilings.setdefault(mm_rows, {"rows": mm_rows, "dtype": dtype, "variants_gflops": {},

@@ -6,9 +6,7 @@ without the fast-forward (routing sees the same states); and each router must ma
 the choice its rule names on inputs small enough to check by hand.
 """
 
-import dataclasses
 
-import numpy as np
 import pytest
 
 import configs

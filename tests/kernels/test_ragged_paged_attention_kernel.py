@@ -27,7 +27,6 @@ from test_ragged_paged_attention_reference import _numpy_oracle
 
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
-    ragged_paged_attention_reference,
 )
 
 
