@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 
 from paged_jax.attention.paged_attention import PagedMetadata, paged_attention
@@ -257,10 +259,17 @@ class ModelRunner:
         return self._greedy_head(logits, batch.want_top)
 
     # ---- host API ---------------------------------------------------------------------
-    def warm_up(self) -> None:
-        """Compile every bucket now, so serving never waits on the compiler."""
+    def warm_up(self, progress: bool = False) -> None:
+        """Compile every bucket now, so serving never waits on the compiler. `progress`: a
+        bar on stderr over the buckets (what is compiling, how many are left, the time to go):
+        a cold start compiles for a minute or more on a small CPU, and a silent console then
+        looks hung."""
+        shapes = self.batch_shapes()
+        bar = tqdm.tqdm(total=len(shapes) + 1, desc="compiling the engine's buckets", unit="bucket",
+                        disable=not progress, leave=False, file=sys.stderr)
         heads_compiled = set()
-        for num_seqs, num_tokens in self.batch_shapes():
+        for num_seqs, num_tokens in shapes:
+            bar.set_postfix_str(f"{num_seqs} seqs x {num_tokens} tokens")
             batch = self.empty_batch(num_seqs, num_tokens)
             logits, self.kv_cache, _, _ = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
                                                      self.packed_head, self._logits_buffer(batch))
@@ -273,6 +282,8 @@ class ModelRunner:
                     for b in (batch, sampled):
                         jax.block_until_ready(self._head(logits, b._replace(use_mask=np.ones(1, np.int32))))
             self._logits_buffers[num_seqs] = logits
+            bar.update()
+        bar.set_postfix_str("prompt logprobs, block copies and moves")
         hidden = np.zeros((PROMPT_LOGPROB_ROWS, self.model_config.hidden_size), np.float32)
         jax.block_until_ready(self._prompt_head(self.params, self.packed_head, hidden,
                                                 np.zeros(PROMPT_LOGPROB_ROWS, np.int32)))
@@ -280,6 +291,8 @@ class ModelRunner:
         self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
         if self.block_mover.num_host_blocks or self.config.kv_transfer:  # swaps / prompt K/V moves
             self.kv_cache = self.block_mover.warm_up(self.kv_cache)
+        bar.update()
+        bar.close()
 
     @property
     def device_seconds(self) -> float:
