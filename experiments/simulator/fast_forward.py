@@ -205,8 +205,7 @@ class FastForward:
         tokens each sequence sampled in them (its accumulation makes that k deltas of one)."""
         now = self._clock.now
         processed = self._engine.output_processor.process([
-            EngineCoreOutput(seq.request_id, [CompletionDelta(seq.index, [self._token] * c, [0.0] * c, None,
-                                                              seq.cumulative_logprob, None)],
+            EngineCoreOutput(seq.request_id, [CompletionDelta(seq.index, [self._token] * c, None, None, None, None)],
                              False, now, seq.arrival_time, seq.first_token_time, seq.num_cached_tokens)
             for seq, c in self._pending.items()])
         if processed.request_outputs or processed.stopped:
@@ -223,7 +222,7 @@ class FastForward:
             self._engine.core.finish_by_length(seq, now)
             c = self._pending.pop(seq, 0)
             outputs.append(EngineCoreOutput(
-                seq.request_id, [CompletionDelta(seq.index, [self._token] * c, [0.0] * c, None, seq.cumulative_logprob,
+                seq.request_id, [CompletionDelta(seq.index, [self._token] * c, None, None, None,
                                                  SequenceStatus.FINISHED_LENGTH.value)],
                 True, now, seq.arrival_time, seq.first_token_time, seq.num_cached_tokens))
         processed = self._engine.output_processor.process(outputs)

@@ -321,10 +321,16 @@ class EngineCore:
         return outputs
 
     def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
-        token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+        token = int(result.tokens[row])
         seq.output_token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        top = None
+        # the runner computes logprobs only for a batch with a row that asked for them (else its logprob slot
+        # holds the raw logit): a completion that did not ask gets None, as in vLLM, never a value that
+        # depends on its batch neighbours
+        new_logprobs = cumulative = top = None
+        if request.params.logprobs is not None:
+            logprob = float(result.logprobs[row])
+            seq.cumulative_logprob += logprob
+            new_logprobs, cumulative = [logprob], seq.cumulative_logprob
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
@@ -339,7 +345,7 @@ class EngineCore:
         if status is not None:
             seq.finish_time = now
             self.scheduler.finish(seq, status)
-        return CompletionDelta(seq.index, [token], [logprob], top, seq.cumulative_logprob,
+        return CompletionDelta(seq.index, [token], new_logprobs, top, cumulative,
                                status.value if status is not None else None, seq.stop_reason)
 
     def finish_by_length(self, seq: Sequence, now: float) -> None:
