@@ -74,10 +74,10 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _run(self, prompts, params, desc: str, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
-        for prompt in prompts:  # validate everything first
-            self.engine.processor.process(prompt)
+        # validate (and tokenize, once) everything first; the engine takes the processed prompts as they are
+        processed = [self.engine.processor.process(prompt) for prompt in prompts]
         ids = []
-        for prompt, p, priority in zip(prompts, params, priorities):
+        for prompt, p, priority in zip(processed, params, priorities):
             request_id = f"llm-{self._counter}"
             self._counter += 1
             try:

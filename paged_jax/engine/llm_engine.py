@@ -27,7 +27,7 @@ from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.engine_core import EngineCore, completion_seed
 from paged_jax.engine.output_processor import OutputProcessor
-from paged_jax.engine.processor import Processor
+from paged_jax.engine.processor import ProcessedPrompt, Processor
 from paged_jax.engine.grammar_matchers import GrammarCompiler, StructuredOutputManager
 from paged_jax.loading import LoadedModel, load_model
 from paged_jax.worker.model_runner import ModelRunner
@@ -102,16 +102,17 @@ class LLMEngine:
         return self.core.stats_tracker
 
     # ---- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | dict | list[int],
+    def add_request(self, request_id: str, prompt: str | dict | list[int] | ProcessedPrompt,
                     params: SamplingParams | BeamSearchParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. `prompt` is text, a list of token ids, {"prompt_token_ids": [...]}
         or {"prompt": text} (either dict may add "cache_salt": str); `params` a
         SamplingParams or, for beam search, a BeamSearchParams; `priority` an int, lower
         served earlier (needs scheduling_policy="priority" unless 0, as in vLLM). Raises
-        ValueError (and queues nothing) on bad input."""
+        ValueError (and queues nothing) on bad input. A ProcessedPrompt (this engine's
+        `processor` made it: LLM validates a batch before queuing any) is not tokenized again."""
         params = params or SamplingParams()
-        processed = self.processor.process(prompt)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt)
         self.core.add_request(request_id, processed, params, arrival_time=arrival_time,
                               cache_salt=processed.cache_salt, priority=priority)
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params)
