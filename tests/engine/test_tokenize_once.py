@@ -8,7 +8,7 @@ the tokenizer is a good part of the host's work per request).
 import pytest
 
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import LoadedModel
 
 SETTINGS = dict(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,

@@ -4,6 +4,11 @@
     outputs = llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=32))
     llm.beam_search(["Hello!"], BeamSearchParams(beam_width=4, max_tokens=32))
     llm.stats()
+
+An entry point (vLLM keeps its `LLM` in vllm/entrypoints/llm.py), above the engine: it is
+where `kv_allocator=` names become allocators (allocators.py), so `LLM(model,
+kv_allocator="contiguous-max")` runs the paper's baselines while the engine itself knows
+only the allocator interface. `from paged_jax import LLM` loads it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
 
 
@@ -24,7 +30,7 @@ class LLM:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", **engine_settings):
         """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
         checkpoint or an already loaded model; `engine_settings`: EngineConfig fields."""
-        self.engine = LLMEngine(model, EngineConfig(**engine_settings))
+        self.engine = LLMEngine(model, EngineConfig(**engine_settings), allocator_factory=make_allocator)
         self._counter = 0
 
     def get_tokenizer(self):
