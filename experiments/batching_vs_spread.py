@@ -76,7 +76,8 @@ def main(argv):
         for allocator in _ALLOCATORS.value:
             config = EngineConfig(block_size=_BLOCK_SIZE.value, num_blocks=num_blocks, max_model_len=_MAX_MODEL_LEN.value,
                                   max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=_MAX_BATCHED.value,
-                                  enable_prefix_caching=False, kv_allocator=allocator, attention_backend="reference")
+                                  enable_prefix_caching=False, kv_allocator=allocator, attention_backend="reference",
+                                  paper_metrics=True)
             stats = Simulator(trace, config, step_model, model_config).run()
             rows.append({"kv_allocator": allocator,
                          "saturated_mean_batched_seqs": stats["saturated_mean_batched_seqs"],

@@ -123,7 +123,7 @@ def main(argv):
     from experiments.benchmarks.workloads import make_trace
     from experiments.reporting.results_io import write_result
     from paged_jax.core.sampling_params import SamplingParams
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     enable_compilation_cache()
     loaded = load_for_benchmark(_MODEL.value, MAX_MODEL_LEN)  # float32; the bf16 engine rounds these weights

@@ -61,13 +61,13 @@ def _engine_model(preset: str, model: str, dtype: str = "float32"):
 
 def _utilization() -> dict:
     from experiments.benchmarks.workloads import make_trace
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model(_UTIL_PRESET.value, _MODEL.value)
     trace = make_trace("sharegpt", _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
                        max_model_len=_MAX_MODEL_LEN.value, vocab_size=model.config.vocab_size)
     llm = LLM(model, block_size=_BLOCK_SIZE.value, max_model_len=_MAX_MODEL_LEN.value,
-              max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=256)
+              max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=256, paper_metrics=True)  # kv_utilization
     llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace],
                  [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace])
     stats = llm.stats()
@@ -85,7 +85,7 @@ def _utilization() -> dict:
 def _host_overhead() -> dict:
     import numpy as np
 
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model("", _MODEL.value)
     n = _HOST_SEQS.value
@@ -110,7 +110,7 @@ def _attention_backends() -> dict:
 
     import numpy as np
 
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model("", _MODEL.value)
     rng = np.random.default_rng(_SEED.value)

@@ -54,7 +54,7 @@ def summarize(kind: str, seqs: int, tokens: int, windows: list[int], rounds: lis
 
 def measure_dtype(model, dtype: str, windows: list[int], rng) -> list:
     from cpu_kernels import helper_threads
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     decode = [int(s) for s in _DECODE_SEQS.value]
     prefill = [int(t) for t in _PREFILL_TOKENS.value if t]
     ctx, bs = _CONTEXT_LEN.value, 16

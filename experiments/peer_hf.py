@@ -150,7 +150,7 @@ def paged_jax_run(loaded, requests, max_model_len: int, max_num_seqs: int = 32, 
                   **engine_settings):
     """(outputs, figures) from our engine, greedy with ignore_eos; construction (which
     compiles every step shape) is timed apart as setup_s. engine_settings: EngineConfig fields."""
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     start = time.perf_counter()
     llm = LLM(loaded, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine_settings)

@@ -142,7 +142,7 @@ def main(argv):
     del argv
     from experiments.benchmarks.workloads import make_trace
     from experiments.reporting.results_io import write_result
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.loading import load_model
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     unknown = set(_VLLM_MODES.value) - set(MODES)

@@ -74,7 +74,7 @@ def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
     from paged_jax.worker.compilation_cache import enable_compilation_cache
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.loading import load_model
     from paged_jax.core.sampling_params import SamplingParams
     enable_compilation_cache()

@@ -123,7 +123,7 @@ def served_weight_bytes(runner) -> int:
 
 def measure_dtype(model, dtype: str, bandwidth: "ReadBandwidth", rng) -> tuple[list, list]:
     """(step rows, ceiling rows) of one engine dtype."""
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     decode, prefill = [int(s) for s in _DECODE_SEQS.value], [int(t) for t in _PREFILL_TOKENS.value]
     k, ctx, bs = _PREFILL_SEQS.value, _CONTEXT_LEN.value, _BLOCK_SIZE.value
     longest = max([ctx] + [_cdiv(t, k) for t in prefill])

@@ -65,6 +65,7 @@ def main(argv):
     from experiments.benchmarks.workloads import make_trace
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.entrypoints.allocators import make_allocator
     from paged_jax.config.engine_config import EngineConfig
     from paged_jax.core.sampling_params import SamplingParams
     if set(_ALLOCATORS.value) - set(ALLOCATORS):
@@ -76,7 +77,7 @@ def main(argv):
         enable_compilation_cache()
         model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
         # the replay reads finished requests only: no per-step outputs for running ones
-        make_engine = lambda config: LLMEngine(model, config, final_outputs_only=True)
+        make_engine = lambda config: LLMEngine(model, config, final_outputs_only=True, allocator_factory=make_allocator)
         clock, sleep, source = time.monotonic, time.sleep, model.source
         model_config = model.config
     max_len = _MAX_MODEL_LEN.value

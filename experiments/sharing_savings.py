@@ -65,7 +65,7 @@ def main(argv):
     from experiments.benchmarks.workloads import make_trace
     from paged_jax.core.beam_search import BeamSearchParams
     from paged_jax.worker.compilation_cache import enable_compilation_cache
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.loading import load_model
     from paged_jax.core.sampling_params import SamplingParams
     if set(_MODES.value) - {"sampling", "beam"}:
@@ -92,7 +92,7 @@ def main(argv):
             else:
                 def make_params(i, r, w=width):
                     return BeamSearchParams(beam_width=w, max_tokens=r.max_tokens, ignore_eos=_IGNORE_EOS.value)
-            llm = LLM(model, **settings)  # fresh stats and cache per setting; compiled programs are cached
+            llm = LLM(model, paper_metrics=True, **settings)  # fresh stats and cache per setting; compiled programs are cached
             start = time.perf_counter()
             outputs = _run(llm, trace, make_params, f"{mode} {width}")
             seconds = time.perf_counter() - start

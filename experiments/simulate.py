@@ -124,7 +124,8 @@ def main(argv):
                                   max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                                   preemption_mode=f.preemption_mode if allocator == "paged" else "recompute",
                                   enable_prefix_caching=f.enable_prefix_caching, kv_allocator=allocator,
-                                  attention_backend="reference")  # unused: no model runs
+                                  attention_backend="reference",  # unused: no model runs
+                                  paper_metrics=True)
             sim = Simulator(trace, config, step_model, model_config)
             with tqdm(total=len(trace), desc=f"{allocator} block {block_size}", mininterval=1.0) as bar:
                 figures = sim.run(progress=bar.update)

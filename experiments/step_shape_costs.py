@@ -44,7 +44,7 @@ def main(argv):
     from experiments.reporting.results_io import write_result
     from paged_jax.worker.batch_inputs import empty_batch
     from paged_jax.worker.compilation_cache import enable_compilation_cache
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     enable_compilation_cache()
     model = load_for_benchmark(_MODEL.value, 1024)
     shapes = [int(s) for s in _SHAPES.value]

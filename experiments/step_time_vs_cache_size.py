@@ -32,7 +32,7 @@ def main(argv):
     from experiments.bench_models import load_for_benchmark
     from experiments.reporting.results_io import write_result
     from paged_jax.worker.compilation_cache import enable_compilation_cache
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     enable_compilation_cache()
     max_len = 512

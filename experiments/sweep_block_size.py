@@ -56,9 +56,9 @@ _OUTPUT = flags.DEFINE_string("output", "sweep_block_size", "Result name: experi
 def _run(model, trace, settings: dict) -> dict:
     """One engine on one trace: its stats and throughput (warm-up excluded)."""
     from experiments.reporting.results_io import round_or_none
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
-    llm = LLM(model, **settings)
+    llm = LLM(model, paper_metrics=True, **settings)  # kv_utilization
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace]
     start = time.perf_counter()

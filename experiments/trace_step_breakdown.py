@@ -44,7 +44,7 @@ def run_budget(loaded, requests, budget: int) -> dict:
     import numpy as np
 
     from paged_jax.core.sampling_params import SamplingParams
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     start = time.perf_counter()
     llm = LLM(loaded, max_model_len=2048, max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=budget,
               kv_cache_memory_bytes=int(_KV_GIB.value * 2**30), dtype=_DTYPE.value, seed=_SEED.value,

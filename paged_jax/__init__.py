@@ -7,7 +7,7 @@ not pull in JAX and transformers.
 import importlib
 
 _EXPORTS = {
-    "LLM": "paged_jax.engine.llm",
+    "LLM": "paged_jax.entrypoints.llm",
     "LLMEngine": "paged_jax.engine.llm_engine",
     "EngineConfig": "paged_jax.config.engine_config",
     "SamplingParams": "paged_jax.core.sampling_params",

@@ -10,7 +10,7 @@ steps until a request arrives (or a step needs the real engine), in three ways:
   prefill (`LazyRun`, lazy_run.py): O(1) per step plus its events (a block added or
   filled, an admission, a finish, a preemption), whatever mix of them the step has,
   through the scheduler's own pieces (`Scheduler.num_new_tokens` for a chunk,
-  `preempt_last` for the victim, `admit_after` for its third phase) and the engine's
+  `preempt_last` for the victim, `admit_waiting` for its third phase) and the engine's
   length check; decoding rows are brought up to date only where something reads them;
 - the rest (swapped sequences coming back, an empty running queue, under priority a
   chunked prefill admitted before the tail): the real
@@ -18,8 +18,10 @@ steps until a request arrives (or a step needs the real engine), in three ways:
   (`_lean_step`), if no sequence it may schedule can finish in it; else the real
   `engine.step()`.
 
-Finishes go through the core (`EngineCore.finish_by_length`), the requests' final
-outputs through the real front end; no SchedulerOutput, runner or per-row outputs.
+Finishes go through the core's public `abort_request` (a plain request is one
+sequence: its blocks are freed and the request forgotten as a length finish in step()
+does; the sequence is then marked finished by length), the requests' final outputs
+through the real front end; no SchedulerOutput, runner or per-row outputs.
 Exactness (tests/experiments/test_fast_forward.py compares every request's times, the
 stats and the block tables at every schedule() call against step-by-step runs): block
 allocations are made by the real block manager in the real order (running order, then
@@ -195,7 +197,8 @@ class FastForward:
         now = self._clock.now
         for _, seq in sched.update(output, {seq.seq_id: seq for seq in sched.running}):
             seq.output_token_ids.append(self._token)
-            core.record_first_token(seq, now)
+            if seq.first_token_time is None:  # as step() sets it (its request's is its first sequence's)
+                seq.first_token_time = now
             self._pending[seq] = self._pending.get(seq, 0) + 1
         stats.record_step(output, 0.0, 0.0)
         return True
@@ -205,8 +208,7 @@ class FastForward:
         tokens each sequence sampled in them (its accumulation makes that k deltas of one)."""
         now = self._clock.now
         processed = self._engine.output_processor.process([
-            EngineCoreOutput(seq.request_id, [CompletionDelta(seq.index, [self._token] * c, [0.0] * c, None,
-                                                              seq.cumulative_logprob, None)],
+            EngineCoreOutput(seq.request_id, [CompletionDelta(seq.index, [self._token] * c, None, None, None, None)],
                              False, now, seq.arrival_time, seq.first_token_time, seq.num_cached_tokens)
             for seq, c in self._pending.items()])
         if processed.request_outputs or processed.stopped:
@@ -219,11 +221,16 @@ class FastForward:
         now = self._clock.now
         self.num_finishing_steps += 1
         outputs = []
+        core = self._engine.core
         for seq in done:
-            self._engine.core.finish_by_length(seq, now)
+            # ended by length as step() ends it: its blocks freed now, the request forgotten. The final output
+            # is built here, so the core's part is abort_request's (a plain request is one sequence)
+            seq.finish_time = now
+            core.abort_request(seq.request_id)
+            seq.status = SequenceStatus.FINISHED_LENGTH
             c = self._pending.pop(seq, 0)
             outputs.append(EngineCoreOutput(
-                seq.request_id, [CompletionDelta(seq.index, [self._token] * c, [0.0] * c, None, seq.cumulative_logprob,
+                seq.request_id, [CompletionDelta(seq.index, [self._token] * c, None, None, None,
                                                  SequenceStatus.FINISHED_LENGTH.value)],
                 True, now, seq.arrival_time, seq.first_token_time, seq.num_cached_tokens))
         processed = self._engine.output_processor.process(outputs)

@@ -16,7 +16,7 @@ plus its events, whatever else happens in it:
   admitted behind it until it completes. Under priority an admission may be inserted
   before the tail; the run ends after that step (if that prefill is chunked, the real
   scheduler steps it). The prefilling row and the admitted ones are stepped eagerly,
-  through the scheduler's own pieces (`num_new_tokens`, `admit_after`);
+  through the scheduler's own pieces (`num_new_tokens`, `admit_waiting`);
 - the stats' KV figures are sums kept incrementally with kv_waste's formulas (per row:
   slots s = its table's slots, count h, final length f; internal = sum max(s - f, 0),
   reservation = sum min(f, s) - sum h, held = slots allocated - (sum s - sum h)) and the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 
+from paged_jax.core.step_plan import StepPlan
 from paged_jax.worker.batch_inputs import batch_shape
 
 
@@ -237,13 +238,15 @@ class LazyRun:
             raise AssertionError("a step preempted every running sequence")  # a lone sequence fits its pool
         if config.preemption_mode == "swap" and sched.swapped:
             end = "swapped"
-        # the step's KV figures after its allocations, its shape and its time
-        slots = bm.num_slots_allocated()
+        # the step's KV figures after its allocations, its shape and its time: what record_schedule and
+        # record_step add for a step, from the sums kept here (a paged cache has no external waste)
+        stats, slots = self.stats, bm.num_slots_allocated()
         sampled = self.num_decoding + sum(row.seq.num_computed_tokens + n == row.seq.num_tokens for row, n in chunks)
-        self.stats.record_step_figures(
-            num_rows, num_tokens, sampled, slots=slots, held=slots - (self.S - self.H),
-            internal=self.I, reservation=self.R - self.H,
-            blocks_without_sharing=self.S // bs)
+        if stats.paper_metrics:
+            stats.add_paper_figures(slots, slots - (self.S - self.H),
+                                    {"internal": self.I, "reservation": self.R - self.H, "external": 0}, self.S // bs)
+        stats.add_allocation(slots)
+        stats.add_step(num_rows, num_tokens, sampled, 0.0, 0.0)
         num_seqs, shaped_tokens = num_rows, num_tokens
         if ff._buckets:
             shape = self._shapes.get((num_rows, num_tokens))
@@ -260,8 +263,8 @@ class LazyRun:
             seq = row.seq
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:  # its chunk reached the end: it sampled
-                if seq.first_token_time is None:
-                    self.core.record_first_token(seq, now)
+                if seq.first_token_time is None:  # (its request's first token time is its first sequence's)
+                    seq.first_token_time = now
                 seq.output_token_ids.append(ff._token)
                 ff._pending[seq] = ff._pending.get(seq, 0) + 1
                 if len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= limit:
@@ -287,8 +290,22 @@ class LazyRun:
             ff._finish([row.seq for row in done])
         return end
 
+    def _admit_waiting(self, num_rows: int, num_tokens: int) -> list:
+        """schedule()'s third phase (Scheduler.admit_waiting) on a step plan of what the
+        running rows left (`num_rows` rows and `num_tokens` tokens taken; their slots
+        allocated, nothing preempted); returns the admitted chunks (none while swapped
+        groups wait: they return first)."""
+        if self.sched.swapped:
+            return []
+        plan = StepPlan(self.config.max_num_batched_tokens - num_tokens, self.config.max_num_seqs,
+                        rows_before=num_rows)
+        self.sched.admit_waiting(plan)
+        if plan.copies:
+            raise AssertionError("an admission copied a block")
+        return plan.chunks
+
     def _admit(self, num_rows: int, num_tokens: int):
-        """schedule()'s third phase (Scheduler.admit_after) after the running rows took
+        """schedule()'s third phase (Scheduler.admit_waiting) after the running rows took
         `num_rows` rows and `num_tokens` tokens; returns the admitted rows with their
         chunks, and why the run must end after this step, if it must."""
         sched, bm = self.sched, self.bm
@@ -299,7 +316,7 @@ class LazyRun:
                 and bm.num_free_blocks <= self._no_admit[3]:
             return [], None  # as before with fewer free blocks: the same test fails (no cache to hit)
         num_before = len(sched.running)
-        chunks = sched.admit_after(num_rows, num_tokens)
+        chunks = self._admit_waiting(num_rows, num_tokens)
         if not chunks:
             self._no_admit = (*key, bm.num_free_blocks)
             return [], None

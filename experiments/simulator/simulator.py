@@ -24,6 +24,7 @@ from experiments.simulator.step_time_model import StepTimeModel, step_features
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
 from paged_jax.worker.model_runner import StepResult
 
@@ -181,7 +182,8 @@ def simulated_serving(model_config, step_model: StepTimeModel):
 
     def make_engine(config: EngineConfig) -> LLMEngine:
         factory = functools.partial(SimulatedRunner, step_model=step_model, clock=clock)
-        return LLMEngine(model, config, runner_factory=factory, clock=clock, final_outputs_only=True)
+        return LLMEngine(model, config, runner_factory=factory, clock=clock, final_outputs_only=True,
+                         allocator_factory=make_allocator)  # kv_allocator may name one of the paper's baselines
 
     def sleep(seconds: float) -> None:
         clock.now += max(0.0, seconds)

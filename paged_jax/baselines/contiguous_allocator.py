@@ -21,21 +21,16 @@ enough, even if the free blocks in total would be: that is external fragmentatio
 arising from the first-fit layout. There is no sharing (fork), no swap and no prefix
 caching. Pure Python, no jax or numpy.
 
-Waste split (token slots, `kv_waste`): for one sequence with ``R`` reserved slots,
-``h`` tokens held and final length ``f``,
+Waste split (token slots, `ContiguousAllocator.kv_waste`, the interface of
+core/kv_waste.py that the engine's stats and pool snapshot call): per sequence, internal
+and reservation as there with ``R`` = its reserved run's slots and ``f`` its final length
+capped at max_model_len; external (whole cache) = free slots in gaps shorter than the
+reservation of the head of the waiting queue (0 when nothing waits): free but unusable
+for the next request.
 
-- internal = ``R - max(f, h)`` slots (clipped at 0): reserved, never to be used (the
-  paper's "internal fragmentation");
-- reservation = ``min(f, R) - h`` slots (clipped at 0): will be used by later tokens of
-  the request, not yet (the paper's "reserved");
-  (The last sampled token's K/V is never written, so one of the ``f`` slots stays
-  empty to the end; it is counted here.)
-- external (whole cache) = free slots in gaps shorter than the reservation of the head
-  of the waiting queue (0 when nothing waits): free but unusable for the next request.
-
-For the paged BlockManager the same per-sequence split applies with ``R`` = its table's
-slots (only the last block can be partly empty), and external is 0: any free block
-serves any request.
+The engine does not import this module: `make_allocator` (allocators.py) builds the
+allocator that `EngineConfig.kv_allocator` names, and the entry points above the engine
+(`paged_jax.LLM`, the simulator, experiments) hand it to the engine core.
 """
 
 from __future__ import annotations
@@ -262,6 +257,25 @@ class ContiguousAllocator:
         need = self.reservation_blocks(final_num_tokens)
         return sum(length for _, length in self.free_gaps() if length < need) * self.block_size
 
+    def kv_waste(self, running, waiting_head) -> dict:
+        """Waste in token slots now, split as in the module docstring (core/kv_waste.py's
+        interface). `running`: the scheduler's running sequences; `waiting_head`: the first
+        waiting sequence or None."""
+        internal = reservation = 0
+        for seq in running:
+            seq_id = seq.seq_id
+            if seq_id not in self._runs:
+                continue
+            held = self._num_tokens[seq_id]
+            slots = self._runs[seq_id][1] * self.block_size
+            final = self.final_length(seq.final_num_tokens)
+            if slots > final and slots > held:
+                internal += slots - (final if final > held else held)
+            if final > held:
+                reservation += (final if final < slots else slots) - held
+        external = 0 if waiting_head is None else self.external_waste_slots(waiting_head.final_num_tokens)
+        return {"internal": internal, "reservation": reservation, "external": external}
+
     def _require(self, seq_id: int) -> None:
         if seq_id not in self._runs:
             raise KeyError(f"unknown sequence id {seq_id!r}")
@@ -290,32 +304,3 @@ class ContiguousAllocator:
         if problems:
             raise AssertionError("contiguous allocator invariants broken:\n  " + "\n  ".join(problems))
 
-
-def kv_waste(bm, running, waiting_head) -> dict:
-    """Waste in token slots now, split as in the module docstring, for either allocator.
-
-    `running`: the scheduler's running sequences (each with `seq_id` and
-    `final_num_tokens`); `waiting_head`: the first waiting sequence or None. Per-sequence
-    slots count a block shared by several tables once per table.
-    """
-    internal = reservation = 0
-    contiguous, block_size = isinstance(bm, ContiguousAllocator), bm.block_size
-    for seq in running:  # every engine step runs this: kept lean (no per-sequence method dispatch)
-        seq_id = seq.seq_id
-        if not bm.has_seq(seq_id):
-            continue
-        held = bm.num_tokens(seq_id)
-        if contiguous:
-            slots = bm.reservation(seq_id)[1] * block_size
-            final = bm.final_length(seq.final_num_tokens)
-        else:
-            slots = -(-held // block_size) * block_size  # = its table's slots (invariant)
-            final = seq.final_num_tokens
-        if slots > final and slots > held:
-            internal += slots - (final if final > held else held)
-        if final > held:
-            reservation += (final if final < slots else slots) - held
-    external = 0
-    if contiguous and waiting_head is not None:
-        external = bm.external_waste_slots(waiting_head.final_num_tokens)
-    return {"internal": internal, "reservation": reservation, "external": external}

@@ -78,6 +78,10 @@ class EngineConfig:
     # disaggregated prefill / decode (engine/kv_transfer.py): prompt K/V blocks leave one engine and enter
     # another's prefix cache; needs paged blocks with prefix caching
     kv_transfer: bool = False  # this engine exports / imports prompt K/V blocks; warm-up compiles the block moves
+    # the paper's per-step figures in stats() (kv_utilization, waste_*_slots, mean_blocks_without_sharing,
+    # sharing_savings; engine/stats.py): each costs a Python pass over the sequences every step, so servers and
+    # notebooks leave them off (their keys are None); the experiments that record them turn them on
+    paper_metrics: bool = False  # keep the paper's KV utilization, waste and sharing figures (a pass per step)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -107,6 +111,8 @@ class EngineConfig:
         if self.kv_transfer and (self.kv_allocator != "paged" or not self.enable_prefix_caching):
             raise ValueError("kv_transfer needs kv_allocator='paged' with enable_prefix_caching=True: imported blocks "
                              "enter the prefix cache")
+        if not isinstance(self.paper_metrics, bool):
+            raise ValueError(f"paper_metrics must be True or False, got {self.paper_metrics!r}")
         if self.pool_check not in POOL_CHECKS:
             raise ValueError(f"pool_check must be one of {POOL_CHECKS}, got {self.pool_check!r}")
         if self.layer_loop not in LAYER_LOOPS:

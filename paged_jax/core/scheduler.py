@@ -7,7 +7,7 @@ swapped (blocks in host memory). Each step every scheduled sequence's
 rule; there is no separate prefill phase). Order of service: running first (in
 admission order), then swapped back in, then waiting (FCFS). When the block manager
 cannot grow a running sequence, the most recently admitted request's running sequences
-(kept adjacent in `running`) are preempted together (preemption.py), by recompute (free their blocks,
+(kept adjacent in `running`) are preempted together (a Preemptor, preemption.py), by recompute (free their blocks,
 requeue them at the front of waiting) or by swap (copy their blocks to host memory as
 one group, so blocks they share stay shared); a request with several running sequences
 first makes room for all of them, so it is never split between running and preempted.
@@ -36,22 +36,28 @@ So a swapped group is charged exactly the blocks it takes back (`num_growth_bloc
 copy-on-write only for a shared partly full last block), and without chunked prefill the
 budget must hold a max_model_len prefill.
 
+Each phase spends what the others left of one step's token budget and rows, passed to
+it as a StepPlan (step_plan.py), so the admission phase (`admit_waiting`) also runs on its
+own after a caller that stepped the running sequences itself (the simulator's fast-forward).
+
 Pure Python; the runner sees only the returned SchedulerOutput.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.block_manager import BlockManager
-from paged_jax.core.preemption import Preemption
+from paged_jax.core.preemption import Preemptor
 from paged_jax.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from paged_jax.core.step_plan import StepPlan
 from paged_jax.core.scheduling_policy import PriorityOrder
 from paged_jax.core.sequence import Sequence, SequenceStatus
 
 
-class Scheduler(Preemption):
+class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         limit = config.max_model_len
         if not config.enable_chunked_prefill and limit is not None and config.max_num_batched_tokens < limit:
@@ -67,11 +73,10 @@ class Scheduler(Preemption):
         self.swapped: collections.deque[list[Sequence]] = collections.deque()  # swap groups
         # "priority": every queue sorted by request key; None: FCFS (admission order)
         self.priority = PriorityOrder() if config.scheduling_policy == "priority" else None
-        self.num_preemptions = 0  # sequences preempted (a group counts each member)
+        self.preemptor = Preemptor(block_manager, config.preemption_mode, self.priority)
         self.prefix_cache_query_tokens = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in cached blocks
         self._finished_ids: list[int] = []  # finished since the last schedule(): the runner drops their tables
-        self._rows_before = 0  # rows a step took before schedule()'s phases ran (admit_after)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -84,6 +89,11 @@ class Scheduler(Preemption):
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted so far (a group counts each member)."""
+        return self.preemptor.num_preemptions
 
     @property
     def num_swapped(self) -> int:
@@ -144,9 +154,7 @@ class Scheduler(Preemption):
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._budget = self.config.max_num_batched_tokens
-        self._chunks: list[ScheduledChunk] = []
-        self._copies: list[tuple[int, int]] = []
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted: list[int] = []
@@ -154,14 +162,14 @@ class Scheduler(Preemption):
 
         # 1. running sequences, in admission (or priority) order
         i = 0
-        while i < len(self.running) and self._has_room():
+        while i < len(self.running) and plan.has_room():
             seq = self.running[i]
             if seq.pending_forks:
                 self._fork_if_ready(seq)
-            if not self._make_room_for_request(i, swap_out, preempted):
+            if not self._make_room_for_request(i, plan, swap_out, preempted):
                 break  # the request was the last one: preempted whole, nothing runs after it
-            num_new = self._num_new_tokens(seq)
-            while num_new and not self._try_schedule(seq, num_new):
+            num_new = self.num_new_tokens(seq, plan.token_budget)
+            while num_new and not self._try_schedule(seq, num_new, plan):
                 victims, orders = self.preempt_last(i)
                 swap_out.extend(orders)
                 preempted.extend(v.seq_id for v in victims)
@@ -172,8 +180,8 @@ class Scheduler(Preemption):
         # 2. swapped groups come back (whole) before new sequences are admitted
         # after a preemption only if it left nothing scheduled: a step whose one schedulable
         # sequence was preempted (the others awaiting beam candidates) must still move
-        may_bring_in = not (preempted and self._chunks)
-        while self.swapped and may_bring_in and self._has_room():
+        may_bring_in = not (preempted and plan.chunks)
+        while self.swapped and may_bring_in and plan.has_room():
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
             # exact: a copy-on-write only where a partly full last block is shared, else a
@@ -192,25 +200,32 @@ class Scheduler(Preemption):
                 # now, or a step that only swapped it in would schedule nothing (and stall)
                 children = self._fork_if_ready(seq)
                 for member in [seq] + children:
-                    num_new = self._num_new_tokens(member)
-                    if num_new and self._has_room() and not self._try_schedule(member, num_new) and not children:
+                    num_new = self.num_new_tokens(member, plan.token_budget)
+                    if (num_new and plan.has_room() and not self._try_schedule(member, num_new, plan)
+                            and not children):
                         raise AssertionError("checked above: the group and its growth fit")
 
         # 3. waiting sequences, in queue order (FCFS or priority), while blocks and budget last
         if may_bring_in and not self.swapped:
-            self._admit_waiting()
+            self.admit_waiting(plan)
 
-        return SchedulerOutput(tuple(self._chunks), tuple(self._copies), tuple(swap_out), tuple(swap_in),
+        return SchedulerOutput(tuple(plan.chunks), tuple(plan.copies), tuple(swap_out), tuple(swap_in),
                                tuple(preempted), self.take_finished_ids())
 
-    def _admit_waiting(self) -> None:
+    def admit_waiting(self, plan: StepPlan) -> None:
+        """schedule()'s third phase: admit waiting sequences in queue order while `plan`
+        has room and the free blocks (watermark kept) hold them, adding their chunks to
+        it. schedule() runs it only when nothing is swapped (swapped groups return
+        first); so must any other caller."""
+        if self.swapped:
+            raise ValueError("admission waits while swapped groups wait to come back (schedule()'s order)")
         bm = self.block_manager
-        while self.waiting and self._has_room():
+        while self.waiting and plan.has_room():
             seq = self.waiting[0]
-            plan = self._admission(seq, self._budget)
-            if plan is None:
+            admission = self._admission(seq, plan.token_budget)
+            if admission is None:
                 break
-            hits, num_cached, num_new = plan
+            hits, num_cached, num_new = admission
             final = seq.final_num_tokens
             orders = bm.allocate_slots(seq.seq_id, num_cached + num_new, tokens=seq.token_ids, cached_blocks=hits,
                                        final_num_tokens=final, cache_salt=seq.cache_salt)
@@ -224,28 +239,10 @@ class Scheduler(Preemption):
             seq.status = SequenceStatus.RUNNING
             self._to_running(seq)
             if num_new:
-                self._add_chunk(seq, num_new)
+                self._add_chunk(seq, num_new, plan)
             for child in self._fork_if_ready(seq):  # the cache held all but the last token
-                if self._has_room():
-                    self._try_schedule(child, self._num_new_tokens(child))
-
-    def admit_after(self, num_rows: int, num_tokens: int) -> list[ScheduledChunk]:
-        """schedule()'s third phase after the running sequences took `num_rows` rows and
-        `num_tokens` tokens (their slots allocated, nothing preempted, nothing swapped):
-        admits what it admits and returns their chunks. For callers that step running
-        sequences without schedule() (the simulator's fast-forward)."""
-        self._budget = self.config.max_num_batched_tokens - num_tokens
-        self._chunks, self._copies = [], []
-        if self.swapped:
-            return []
-        self._rows_before = num_rows
-        try:
-            self._admit_waiting()
-        finally:
-            self._rows_before = 0
-        if self._copies:
-            raise AssertionError("an admission copied a block")
-        return self._chunks
+                if plan.has_room():
+                    self._try_schedule(child, self.num_new_tokens(child, plan.token_budget), plan)
 
     def _admission(self, seq: Sequence, budget: int):
         """(cached blocks, cached tokens, tokens to compute now) if waiting `seq` fits
@@ -281,38 +278,71 @@ class Scheduler(Preemption):
         else:
             self.priority.insert(self.running, seq)
 
-    def _has_room(self) -> bool:
-        return self._budget > 0 and self._rows_before + len(self._chunks) < self.config.max_num_seqs
-
-    def _fit_budget(self, missing: int, budget: int | None = None) -> int:
-        """All missing tokens if they fit the budget (default: this step's left); else,
-        with chunked prefill, what fits."""
-        budget = self._budget if budget is None else budget
+    def _fit_budget(self, missing: int, budget: int) -> int:
+        """All missing tokens if they fit `budget`; else, with chunked prefill, what fits."""
         if missing <= budget:
             return missing
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _num_new_tokens(self, seq: Sequence) -> int:
-        return self.num_new_tokens(seq, self._budget)
-
-    def _try_schedule(self, seq: Sequence, num_new: int) -> bool:
+    def _try_schedule(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Grow `seq` by `num_new` slots and add its chunk; False (nothing changed) if the
         device lacks blocks."""
         orders = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                                    tokens=seq.token_ids)
         if orders is None:
             return False
-        self._copies.extend(orders)
-        self._add_chunk(seq, num_new)
+        plan.copies.extend(orders)
+        self._add_chunk(seq, num_new, plan)
         return True
 
-    def _add_chunk(self, seq: Sequence, num_new: int) -> None:
+    def _add_chunk(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         start = seq.num_computed_tokens
         num_kept, new_ids = self.block_manager.table_update(seq.seq_id)
-        self._chunks.append(ScheduledChunk(
+        plan.chunks.append(ScheduledChunk(
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids(start, start + num_new)), start_position=start,
             num_kept_blocks=num_kept, new_block_ids=new_ids, sample=start + num_new == seq.num_tokens))
-        self._budget -= num_new
+        plan.token_budget -= num_new
+
+    # ---- preemption (the victim rule: preemption.py) -----------------------------------
+    def preempt_last(self, i: int) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Preempt what schedule() preempts when running[i] cannot grow (the Preemptor's
+        victims); returns the victims and their swap-out orders (empty for recompute).
+        Public for callers that step decodes without schedule() (the simulator's
+        fast-forward)."""
+        return self.preemptor.preempt_last(i, self.running, self.waiting, self.swapped)
+
+    def _make_room_for_request(self, i: int, plan: StepPlan, swap_out: list, preempted: list) -> bool:
+        """If running[i] leads two or more running sequences of its request (beams, n > 1),
+        preempt (schedule()'s victims) until all that this step schedules can grow, so a
+        request's sequences grow together or are preempted together, as vLLM schedules a
+        sequence group: preempting part of one would leave the rest holding blocks while
+        they wait for it (a beam step needs every beam), which can starve the swapped
+        part forever. Returns False if the request itself was preempted."""
+        running, seq = self.running, self.running[i]
+        if (i + 1 == len(running) or running[i + 1].request_id != seq.request_id
+                or (i and running[i - 1].request_id == seq.request_id)):
+            return True
+        while not self._request_fits(i, plan):
+            victims, orders = self.preempt_last(i)
+            swap_out.extend(orders)
+            preempted.extend(v.seq_id for v in victims)
+            if seq in victims:
+                return False
+        return True
+
+    def _request_fits(self, i: int, plan: StepPlan) -> bool:
+        """Whether the free blocks hold what this step's chunks of running[i]'s request
+        (within the plan's budget and rows left) need, copy-on-write of shared last blocks
+        included (BlockManager.num_growth_blocks)."""
+        bm, request_id = self.block_manager, self.running[i].request_id
+        budget, rows, targets = plan.token_budget, plan.num_rows, {}
+        for seq in itertools.takewhile(lambda s: s.request_id == request_id, self.running[i:]):
+            num_new = self.num_new_tokens(seq, budget) if budget > 0 and rows < plan.max_rows else 0
+            if num_new:
+                targets[seq.seq_id] = max(seq.num_computed_tokens + num_new, bm.num_tokens(seq.seq_id))
+                budget -= num_new
+                rows += 1
+        return bm.num_growth_blocks(targets) <= bm.num_free_blocks
 
     def update(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> list[tuple[int, Sequence]]:
         """Advance computed counts after a step; returns (row, sequence) for each chunk that

@@ -17,9 +17,11 @@ class CompletionDelta:
 
     index: int  # which of the request's completions (sampling: 0..n-1; beams: rank, best first)
     new_token_ids: list[int]
-    new_logprobs: list[float]  # the sampled tokens' logprobs, one per new token (beams: empty)
+    # the sampled tokens' logprobs, one per new token (beams: empty); None when the request asked for no
+    # logprobs (the runner then computes none: what it returns would depend on the batch's other rows)
+    new_logprobs: list[float] | None
     new_top_logprobs: list[list[tuple[int, float]]] | None  # per new token, when the request asked for them
-    cumulative_logprob: float  # over all the completion's tokens so far
+    cumulative_logprob: float | None  # over all the completion's tokens so far; None as new_logprobs
     finish_reason: str | None  # "stop" (a stop token), "length", or None while it runs
     stop_reason: int | None = None  # the stop token that ended it
     score: float | None = None  # beam search: the hypothesis' ranking score

@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 
-from paged_jax.baselines.contiguous_allocator import ContiguousAllocator
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.beam_search import BeamSearchParams, BeamSearchState, num_candidates
@@ -48,6 +47,16 @@ def completion_seed(request_seed: int, index: int) -> int:
     return (request_seed + index * _GOLDEN) % 2**32
 
 
+def paged_allocator(config: EngineConfig, num_host_blocks: int) -> BlockManager:
+    """The paged BlockManager for a resolved `config` (the default `allocator_factory`)."""
+    if config.kv_allocator != "paged":  # the engine does not know the baselines: they plug in from above
+        raise ValueError(f"kv_allocator={config.kv_allocator!r} is one of the paper's baselines, which plug in "
+                         "from above the engine: use paged_jax.LLM, or pass allocator_factory="
+                         "paged_jax.entrypoints.allocators.make_allocator to LLMEngine or EngineCore")
+    return BlockManager(config.num_blocks, config.block_size, num_host_blocks=num_host_blocks,
+                        watermark=config.watermark, enable_prefix_caching=config.enable_prefix_caching)
+
+
 @dataclasses.dataclass
 class _CoreRequest:
     request_id: str
@@ -57,10 +66,14 @@ class _CoreRequest:
     arrival_time: float
     root: Sequence  # the first sequence: its prefix-cache hits are the request's num_cached_tokens
     beam: BeamSearchState | None = None
-    first_token_time: float | None = None
     # prompt logprobs computed since the request's last output: (token, logprob, rank, top-k)
     pending_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = dataclasses.field(
         default_factory=list)
+
+    @property
+    def first_token_time(self) -> float | None:
+        """The root samples the request's first token: forks and beams join after it."""
+        return self.root.first_token_time
 
     @property
     def finished(self) -> bool:
@@ -74,25 +87,24 @@ class _CoreRequest:
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, params, config: EngineConfig, *, runner_factory=ModelRunner,
-                 clock=time.monotonic, mesh=None, structured_outputs: StructuredOutputManager | None = None):
+                 clock=time.monotonic, mesh=None, structured_outputs: StructuredOutputManager | None = None,
+                 allocator_factory=paged_allocator):
         """`params`: the model weights (None for a model-free runner); `mesh`: the device
         mesh the weights are sharded over, for tensor parallelism. `runner_factory`
         (ModelRunner's signature) and `clock` (seconds) are injection points: the simulator
         passes a model-free runner and a virtual clock. `structured_outputs`: the grammar
         matchers of constrained requests (engine/grammar_matchers.py; the front end builds
-        it from the tokenizer); without it, a request with structured_outputs is refused."""
+        it from the tokenizer); without it, a request with structured_outputs is refused.
+        `allocator_factory(config, num_host_blocks)`: the KV block allocator (default the
+        paged BlockManager; the paper's contiguous baselines come from
+        paged_jax/entrypoints/allocators.py, above the engine, which knows only their
+        interface)."""
         self.model_config = model_config
         self.config = resolve_config(config, model_config, check_memory=params is not None)  # model-free: no arrays
         config = self.config
         block_bytes = bytes_per_block(model_config, config.block_size, config.kv_cache_dtype)
         num_host_blocks = config.swap_space_bytes // block_bytes if config.preemption_mode == "swap" else 0
-        if config.kv_allocator == "paged":
-            self.block_manager = BlockManager(config.num_blocks, config.block_size, num_host_blocks=num_host_blocks,
-                                              watermark=config.watermark,
-                                              enable_prefix_caching=config.enable_prefix_caching)
-        else:  # a contiguous baseline behind the same interface (validated: recompute, no prefix caching)
-            self.block_manager = ContiguousAllocator(config.num_blocks, config.block_size, policy=config.kv_allocator,
-                                                     max_model_len=config.max_model_len)
+        self.block_manager = allocator_factory(config, num_host_blocks)
         check_capacity(config, self.block_manager)
         self.scheduler = Scheduler(config, self.block_manager)
         self.structured_outputs = structured_outputs
@@ -103,7 +115,8 @@ class EngineCore:
                                      num_host_blocks=num_host_blocks, **extra)
         self._clock = clock
         self.runner.warm_up()
-        self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner)
+        self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner,
+                                         paper_metrics=config.paper_metrics)
         self.pool_checker = PoolChecker(config.pool_check)  # leaks reported after steps and aborts
         self._requests: dict[str, _CoreRequest] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -242,16 +255,6 @@ class EngineCore:
         if not self.config.kv_transfer:
             raise ValueError("this engine was built without kv_transfer=True (EngineConfig): it moves no prompt K/V")
 
-    def record_first_token(self, seq: Sequence, now: float) -> None:
-        """Mark `seq` and its request as having sampled a first token at `now` (if not
-        already), as step() does: for callers that advance sequences without step() (the
-        simulator's fast-forward)."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        request = self._requests[seq.request_id]
-        if request.first_token_time is None:
-            request.first_token_time = now
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -294,8 +297,6 @@ class EngineCore:
             deltas = moved.setdefault(seq.request_id, [])
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if request.first_token_time is None:
-                request.first_token_time = now
             if request.beam is not None:
                 seq.beam_candidates = list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))
             else:
@@ -321,10 +322,16 @@ class EngineCore:
         return outputs
 
     def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
-        token, logprob = int(result.tokens[row]), float(result.logprobs[row])
+        token = int(result.tokens[row])
         seq.output_token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        top = None
+        # the runner computes logprobs only for a batch with a row that asked for them (else its logprob slot
+        # holds the raw logit): a completion that did not ask gets None, as in vLLM, never a value that
+        # depends on its batch neighbours
+        new_logprobs = cumulative = top = None
+        if request.params.logprobs is not None:
+            logprob = float(result.logprobs[row])
+            seq.cumulative_logprob += logprob
+            new_logprobs, cumulative = [logprob], seq.cumulative_logprob
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
@@ -339,19 +346,8 @@ class EngineCore:
         if status is not None:
             seq.finish_time = now
             self.scheduler.finish(seq, status)
-        return CompletionDelta(seq.index, [token], [logprob], top, seq.cumulative_logprob,
+        return CompletionDelta(seq.index, [token], new_logprobs, top, cumulative,
                                status.value if status is not None else None, seq.stop_reason)
-
-    def finish_by_length(self, seq: Sequence, now: float) -> None:
-        """End running `seq` as a step whose token reached max_tokens or max_model_len
-        does (its blocks freed, its request dropped once all its sequences ended). For
-        callers that apply steps without the runner (the simulator's fast-forward), which
-        report the request's final output themselves."""
-        seq.finish_time = now
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-        request = self._requests[seq.request_id]
-        if request.finished:
-            self._drop(request)
 
     def _record_prompt_logprobs(self, output, prompt) -> None:
         """Queue each scored prompt position on its request (sent with its next output).

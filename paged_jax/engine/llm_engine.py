@@ -2,7 +2,7 @@
 
 For servers and research loops: `add_request`, `step`, `abort_request`,
 `has_unfinished_requests`, `stats`, `reset_prefix_cache`. It is the engine core
-(core.py: KV cache, scheduler, block manager, runner, statistics; token ids only) with a
+(engine_core.py: KV cache, scheduler, block manager, runner, statistics; token ids only) with a
 front end around it, as in vLLM's v1 engine: the processor turns prompts into validated
 token ids (processor.py), and the output processor turns the core's new tokens into
 text, stop strings and RequestOutputs (output_processor.py). A stop string found in the
@@ -24,9 +24,9 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.engine_core import EngineCore, completion_seed
+from paged_jax.engine.engine_core import EngineCore, completion_seed, paged_allocator
 from paged_jax.engine.output_processor import OutputProcessor
-from paged_jax.engine.processor import Processor
+from paged_jax.engine.processor import ProcessedPrompt, Processor
 from paged_jax.engine.grammar_matchers import GrammarCompiler, StructuredOutputManager
 from paged_jax.loading import LoadedModel, load_model
 from paged_jax.loading.transformers_import import import_transformers
@@ -58,12 +58,15 @@ def _structured_outputs(loaded: LoadedModel, runner_factory) -> StructuredOutput
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", config: EngineConfig | None = None, *,
-                 runner_factory=ModelRunner, clock=time.monotonic, final_outputs_only: bool = False):
+                 runner_factory=ModelRunner, clock=time.monotonic, final_outputs_only: bool = False,
+                 allocator_factory=paged_allocator):
         """`runner_factory` (ModelRunner's signature) and `clock` (seconds) are injection
         points: experiments/simulate.py passes a model-free runner and a virtual clock, so
         a simulation runs this engine's own scheduling and bookkeeping, not a copy.
         `final_outputs_only`: `step` returns finished requests only (no per-step output of
-        running ones, whose token lists it would copy every step)."""
+        running ones, whose token lists it would copy every step). `allocator_factory`: the
+        KV allocator (EngineCore's; the paper's baselines:
+        paged_jax.entrypoints.allocators.make_allocator, which paged_jax.LLM passes)."""
         config = config or EngineConfig()
         mesh = None
         if config.tensor_parallel_size > 1:  # shard over a device mesh (paged_jax/distributed/tensor_parallel.py)
@@ -77,7 +80,8 @@ class LLMEngine:
         if loaded.model_class is not None:  # a researcher's own Flax decoder (LoadedModel.model_class)
             runner_factory = functools.partial(runner_factory, model_class=loaded.model_class)
         self.core = EngineCore(loaded.config, loaded.params, config, runner_factory=runner_factory, clock=clock,
-                               mesh=mesh, structured_outputs=_structured_outputs(loaded, runner_factory))
+                               mesh=mesh, structured_outputs=_structured_outputs(loaded, runner_factory),
+                               allocator_factory=allocator_factory)
         self.processor = Processor(self.tokenizer, self.core.config.max_model_len, self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, final_outputs_only=final_outputs_only)
 
@@ -103,16 +107,17 @@ class LLMEngine:
         return self.core.stats_tracker
 
     # ---- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | dict | list[int],
+    def add_request(self, request_id: str, prompt: str | dict | list[int] | ProcessedPrompt,
                     params: SamplingParams | BeamSearchParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. `prompt` is text, a list of token ids, {"prompt_token_ids": [...]}
         or {"prompt": text} (either dict may add "cache_salt": str); `params` a
         SamplingParams or, for beam search, a BeamSearchParams; `priority` an int, lower
         served earlier (needs scheduling_policy="priority" unless 0, as in vLLM). Raises
-        ValueError (and queues nothing) on bad input."""
+        ValueError (and queues nothing) on bad input. A ProcessedPrompt (this engine's
+        `processor` made it: LLM validates a batch before queuing any) is not tokenized again."""
         params = params or SamplingParams()
-        processed = self.processor.process(prompt)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt)
         self.core.add_request(request_id, processed, params, arrival_time=arrival_time,
                               cache_salt=processed.cache_salt, priority=priority)
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from paged_jax.baselines.contiguous_allocator import kv_waste
+from paged_jax.core.kv_waste import kv_waste
 from paged_jax.core.block_pool import BLOCK_STATES, FRAGMENT
 
 
@@ -31,7 +31,7 @@ def take_snapshot(core, *, num_generated_tokens: int = 0, clock=time.monotonic) 
     bm, sched = core.block_manager, core.scheduler
     device, host = bm.block_states()
     waiting_head = sched.waiting[0] if sched.waiting else None
-    contiguous = hasattr(bm, "reservation")
+    contiguous = hasattr(bm, "reservation")  # an allocator that reserves ahead (a baseline): shown, not imported
     if waiting_head is not None and contiguous:  # a contiguous baseline: its external fragments
         device = _mark_fragments(device, bm.free_gaps(), bm.reservation_blocks(waiting_head.final_num_tokens))
     requests: dict[str, dict] = {}

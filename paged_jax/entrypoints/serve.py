@@ -87,6 +87,7 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     from absl import app
 
     from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.entrypoints.allocators import make_allocator
     from paged_jax.entrypoints.openai import ServerSettings, build_app
     from paged_jax.entrypoints.openai.engine_loop import EngineDead
     from paged_jax.entrypoints.openai.uvicorn_server import serve
@@ -105,7 +106,7 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     enable_compilation_cache(f.compilation_cache_dir)
     print(f"loading {f.model} and compiling the engine's buckets ...", file=sys.stderr)
     try:
-        engine = LLMEngine(f.model, config)
+        engine = LLMEngine(f.model, config, allocator_factory=make_allocator)  # --kv_allocator: baselines too
     except (ValueError, OSError) as exc:  # every loading and sizing error says what is wrong and where
         if f.log_level == "debug":
             traceback.print_exc()

@@ -11,16 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_jax.baselines import reference
-from paged_jax.baselines.contiguous_allocator import (
-    CONTIGUOUS_POLICIES,
-    ContiguousAllocator,
-    kv_waste,
-)
+from paged_jax.baselines.contiguous_allocator import CONTIGUOUS_POLICIES, ContiguousAllocator
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.block_manager import BlockManager
+from paged_jax.core.kv_waste import kv_waste
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 
 
 def _oracle(num_blocks=11, block_size=4, max_model_len=40):
@@ -213,7 +210,8 @@ def runs(model, trace):
     for allocator in ("paged",) + CONTIGUOUS_POLICIES:
         llm = LLM(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, block_size=8,
                   num_blocks=49, kv_allocator=allocator, attention_backend="reference", enable_prefix_caching=False,
-                  seq_buckets=(4, 16), token_buckets=(16, 64))  # few shapes to compile per engine
+                  seq_buckets=(4, 16), token_buckets=(16, 64),  # few shapes to compile per engine
+                  paper_metrics=True)  # utilization and waste
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens],
                                use_tqdm=False)

@@ -20,7 +20,7 @@ from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Sequence, SequenceStatus
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.worker.kv_cache import bytes_per_block
 from tests.helpers.model_free_runner import MODEL_CONFIG, StepClock, greedy, make_engine
 

@@ -11,7 +11,7 @@ import pytest
 
 from paged_jax.baselines import reference
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from tests.helpers.greedy_check import assert_greedy_match
 
 MAX_MODEL_LEN = 512

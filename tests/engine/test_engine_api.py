@@ -8,7 +8,7 @@ import configs
 from paged_jax.baselines import reference
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine, completion_seed
 from paged_jax.loading import LoadedModel
 from paged_jax.model.llama import init_params

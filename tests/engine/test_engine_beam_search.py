@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from paged_jax.core.beam_search import BeamSearchParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import LoadedModel
 from paged_jax.loading.hf_weights import load_hf_directory
 from tests.helpers.beam_oracle import assert_beams_match, hf_beam_search
@@ -58,7 +58,7 @@ def _check(hf, model, cases, outputs):
 def _run(model, cases, **settings):
     settings = {"seq_buckets": (4, 16), "token_buckets": (16, 64), **settings}  # few shapes to compile
     llm = LLM(model, block_size=4, max_model_len=64, max_num_seqs=16, max_num_batched_tokens=64,
-              attention_backend="reference", **settings)
+              attention_backend="reference", paper_metrics=True, **settings)  # sharing_savings
     # Every case is queued at once, so beams of different requests share steps.
     for i, (prompt, width, lp, ignore_eos) in enumerate(cases):
         llm.engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, BeamSearchParams(

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import load_model
 from tests.helpers.greedy_check import assert_greedy_match
 from tests.helpers.hf_variants import VARIANTS, reinit

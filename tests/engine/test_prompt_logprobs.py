@@ -13,7 +13,7 @@ import transformers
 
 from paged_jax.core.outputs import Logprob
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import load_model
 from tests.helpers.hf_variants import VARIANTS, reinit
 

@@ -13,7 +13,7 @@ import pytest
 import configs
 from paged_jax.baselines import reference
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.engine.llm_engine import completion_seed
 from paged_jax.loading import LoadedModel
 from paged_jax.model.llama import init_params
@@ -49,7 +49,7 @@ def expected(model, shared_prefix_trace):
 
 def _llm(model, **settings):
     settings = {"block_size": BLOCK_SIZE, "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-                "attention_backend": "reference", **settings}
+                "attention_backend": "reference", "paper_metrics": True, **settings}  # sharing_savings
     # few buckets (warm-up compiles every pair), each covering its maximum
     settings.setdefault("seq_buckets", (2, settings["max_num_seqs"]))
     settings.setdefault("token_buckets", (16, settings["max_num_batched_tokens"]))

@@ -15,7 +15,7 @@ import pytest
 
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.structured_outputs import StructuredOutputsParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import load_model
 from tests.helpers.tiny_smollm2_vocab import save_tiny_smollm2_vocab
 

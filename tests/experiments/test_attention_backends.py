@@ -7,7 +7,7 @@ from experiments import attention_backends as ab
 from experiments.benchmarks.logits_capture import next_token_logits
 from experiments.benchmarks.workloads import make_trace
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 
 
 def test_a_changed_token_is_a_mismatch_with_the_reference_logit_gap():

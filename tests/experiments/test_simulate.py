@@ -21,11 +21,12 @@ from experiments.simulator.step_time_model import StepTimeModel, fit_error
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.worker.model_runner import ModelRunner
 
 # one compiled shape: every step pads to 4 rows x 32 tokens
 TINY = {"block_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32, "seq_buckets": (4,),
-        "token_buckets": (32,), "attention_backend": "reference"}
+        "token_buckets": (32,), "attention_backend": "reference", "paper_metrics": True}
 STEP_MODEL = StepTimeModel(intercept_s=0.01, per_token_s=0.002, per_seq_s=0.003, per_context_token_s=1e-4)
 
 
@@ -68,7 +69,7 @@ def _run_real_engine(loaded, trace, config):
             clock.now += _step_seconds(output)
             return result
 
-    engine = LLMEngine(loaded, config, runner_factory=TickingRunner, clock=clock)
+    engine = LLMEngine(loaded, config, runner_factory=TickingRunner, clock=clock, allocator_factory=make_allocator)
     log = _record(engine, clock)
     times, i = {}, 0
     while i < len(trace) or engine.has_unfinished_requests():

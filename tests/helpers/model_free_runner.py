@@ -25,6 +25,7 @@ import numpy as np
 import configs
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
 from paged_jax.worker.model_runner import StepResult
 
@@ -130,7 +131,8 @@ class Req:
 
 def make_engine(config, clock=None) -> LLMEngine:
     model = LoadedModel(MODEL_CONFIG, None, None, "model-free", "none", 0.0)
-    return LLMEngine(model, config, runner_factory=ContentCheckingRunner, clock=clock or StepClock())
+    return LLMEngine(model, config, runner_factory=ContentCheckingRunner, clock=clock or StepClock(),
+                     allocator_factory=make_allocator)  # config.kv_allocator may name a baseline
 
 
 def serve(config, requests: list[Req], *, max_steps: int = 10_000, check=None) -> tuple[dict, set[str], LLMEngine]:

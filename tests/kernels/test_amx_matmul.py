@@ -121,7 +121,7 @@ def test_swiglu_refuses_gate_and_up_of_different_shapes():
 
 
 def _runner(model, **settings):
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     llm = LLM(model, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, seq_buckets=(2,),
               token_buckets=(16,), num_blocks=16, block_size=8, **settings)
     return llm.engine.core.runner
@@ -158,7 +158,7 @@ def test_greedy_batches_take_the_head_kernels_argmax_and_skip_the_head(tiny_llam
     argmax; they must be the tokens the head call would have chosen, and any batch that
     asks for logprobs or samples must still go through the head."""
     from paged_jax.core.sampling_params import SamplingParams
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
 
     llm = LLM(tiny_llama, dtype="bfloat16", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
               seq_buckets=(2,), token_buckets=(16,), num_blocks=16, block_size=8)

@@ -112,7 +112,7 @@ def test_logits_argmax_is_the_first_max_of_the_logits_it_returns(rows, n, k):
 
 
 def test_the_runner_packs_f32_layers_and_head_on_cpu(tiny_llama):
-    from paged_jax.engine.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     llm = LLM(tiny_llama, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
               seq_buckets=(2,), token_buckets=(16,), num_blocks=16, block_size=8)
     runner = llm.engine.core.runner

@@ -16,7 +16,7 @@ from flax import nnx
 import configs
 from paged_jax.baselines import reference
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import LoadedModel
 from paged_jax.model.decoder import DecoderLayer, LlamaDecoder, new_param
 from paged_jax.model.functional import params_of, split_model

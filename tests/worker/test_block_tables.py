@@ -9,6 +9,7 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
 from paged_jax.worker.batch_inputs import prepare_batch
 from paged_jax.worker.block_tables import HostBlockTables
@@ -57,7 +58,8 @@ def _serve(**config) -> BatchCheckingRunner:
         config["swap_space_bytes"] = 64 * bytes_per_block(MODEL_CONFIG, config["block_size"], "float32")
     config = EngineConfig(**config)
     model = LoadedModel(MODEL_CONFIG, None, None, "model-free", "none", 0.0)
-    engine = LLMEngine(model, config, runner_factory=BatchCheckingRunner, clock=StepClock())
+    engine = LLMEngine(model, config, runner_factory=BatchCheckingRunner, clock=StepClock(),
+                       allocator_factory=make_allocator)
     engine.runner.true_table = engine.block_manager.block_table
     shared = list(range(3, 3 + 2 * config.block_size))  # two full blocks every prompt starts with
     n = 1 if config.kv_allocator != "paged" else 2  # n=2: a fork, then copy-on-write

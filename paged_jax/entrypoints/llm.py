@@ -4,6 +4,11 @@
     outputs = llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=32))
     llm.beam_search(["Hello!"], BeamSearchParams(beam_width=4, max_tokens=32))
     llm.stats()
+
+An entry point (vLLM keeps its `LLM` in vllm/entrypoints/llm.py), above the engine: it is
+where `kv_allocator=` names become allocators (allocators.py), so `LLM(model,
+kv_allocator="contiguous-max")` runs the paper's baselines while the engine itself knows
+only the allocator interface. `from paged_jax import LLM` loads it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
 
 
@@ -25,7 +31,7 @@ class LLM:
         """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
         checkpoint, a Hugging Face Hub id ("Qwen/Qwen3-0.6B") or an already loaded model;
         `engine_settings`: EngineConfig fields."""
-        self.engine = LLMEngine(model, EngineConfig(**engine_settings))
+        self.engine = LLMEngine(model, EngineConfig(**engine_settings), allocator_factory=make_allocator)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -75,10 +81,10 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _run(self, prompts, params, desc: str, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
-        for prompt in prompts:  # validate everything first
-            self.engine.processor.process(prompt)
+        # validate (and tokenize, once) everything first; the engine takes the processed prompts as they are
+        processed = [self.engine.processor.process(prompt) for prompt in prompts]
         ids = []
-        for prompt, p, priority in zip(prompts, params, priorities):
+        for prompt, p, priority in zip(processed, params, priorities):
             request_id = f"llm-{self._counter}"
             self._counter += 1
             try:
