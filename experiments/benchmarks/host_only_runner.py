@@ -29,7 +29,7 @@ class HostOnlyRunner:
         self.block_tables = HostBlockTables(-(-config.max_model_len // config.block_size))
         self._rng = np.random.default_rng(config.seed)
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: bool = False) -> None:  # nothing compiles: no bar to show
         """Nothing to compile."""
 
     def execute(self, output, seqs) -> StepResult:

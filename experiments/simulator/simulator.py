@@ -56,7 +56,7 @@ class SimulatedRunner:
         self._model, self._clock = step_model, clock
         self._buckets = (config.seq_buckets, config.token_buckets) if step_model.bucketed else ()
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: bool = False) -> None:  # nothing compiles: no bar to show
         """Nothing to compile."""
 
     def execute(self, output, seqs) -> StepResult:

@@ -88,7 +88,7 @@ class _CoreRequest:
 class EngineCore:
     def __init__(self, model_config: ModelConfig, params, config: EngineConfig, *, runner_factory=ModelRunner,
                  clock=time.monotonic, mesh=None, structured_outputs: StructuredOutputManager | None = None,
-                 allocator_factory=paged_allocator):
+                 allocator_factory=paged_allocator, show_progress: bool = False):
         """`params`: the model weights (None for a model-free runner); `mesh`: the device
         mesh the weights are sharded over, for tensor parallelism. `runner_factory`
         (ModelRunner's signature) and `clock` (seconds) are injection points: the simulator
@@ -98,7 +98,7 @@ class EngineCore:
         `allocator_factory(config, num_host_blocks)`: the KV block allocator (default the
         paged BlockManager; the paper's contiguous baselines come from
         paged_jax/entrypoints/allocators.py, above the engine, which knows only their
-        interface)."""
+        interface). `show_progress`: a bar on stderr over the buckets warm-up compiles."""
         self.model_config = model_config
         self.config = resolve_config(config, model_config, check_memory=params is not None)  # model-free: no arrays
         config = self.config
@@ -114,7 +114,7 @@ class EngineCore:
         self.runner = runner_factory(model_config, params, config, num_blocks=config.num_blocks,
                                      num_host_blocks=num_host_blocks, **extra)
         self._clock = clock
-        self.runner.warm_up()
+        self.runner.warm_up(progress=show_progress)
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner,
                                          paper_metrics=config.paper_metrics)
         self.pool_checker = PoolChecker(config.pool_check)  # leaks reported after steps and aborts

@@ -59,14 +59,15 @@ def _structured_outputs(loaded: LoadedModel, runner_factory) -> StructuredOutput
 class LLMEngine:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", config: EngineConfig | None = None, *,
                  runner_factory=ModelRunner, clock=time.monotonic, final_outputs_only: bool = False,
-                 allocator_factory=paged_allocator):
+                 allocator_factory=paged_allocator, show_progress: bool = False):
         """`runner_factory` (ModelRunner's signature) and `clock` (seconds) are injection
         points: experiments/simulate.py passes a model-free runner and a virtual clock, so
         a simulation runs this engine's own scheduling and bookkeeping, not a copy.
         `final_outputs_only`: `step` returns finished requests only (no per-step output of
         running ones, whose token lists it would copy every step). `allocator_factory`: the
         KV allocator (EngineCore's; the paper's baselines:
-        paged_jax.entrypoints.allocators.make_allocator, which paged_jax.LLM passes)."""
+        paged_jax.entrypoints.allocators.make_allocator, which paged_jax.LLM passes).
+        `show_progress`: a progress bar on stderr while warm-up compiles the buckets."""
         config = config or EngineConfig()
         mesh = None
         if config.tensor_parallel_size > 1:  # shard over a device mesh (paged_jax/distributed/tensor_parallel.py)
@@ -81,7 +82,7 @@ class LLMEngine:
             runner_factory = functools.partial(runner_factory, model_class=loaded.model_class)
         self.core = EngineCore(loaded.config, loaded.params, config, runner_factory=runner_factory, clock=clock,
                                mesh=mesh, structured_outputs=_structured_outputs(loaded, runner_factory),
-                               allocator_factory=allocator_factory)
+                               allocator_factory=allocator_factory, show_progress=show_progress)
         self.processor = Processor(self.tokenizer, self.core.config.max_model_len, self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, final_outputs_only=final_outputs_only)
 

@@ -27,11 +27,14 @@ from paged_jax.loading import LoadedModel
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", **engine_settings):
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, show_progress: bool = True,
+                 **engine_settings):
         """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
         checkpoint, a Hugging Face Hub id ("Qwen/Qwen3-0.6B") or an already loaded model;
-        `engine_settings`: EngineConfig fields."""
-        self.engine = LLMEngine(model, EngineConfig(**engine_settings), allocator_factory=make_allocator)
+        `show_progress`: a bar on stderr while the buckets compile (a cold start takes a
+        minute or more on a small CPU); `engine_settings`: EngineConfig fields."""
+        self.engine = LLMEngine(model, EngineConfig(**engine_settings), allocator_factory=make_allocator,
+                                show_progress=show_progress)
         self._counter = 0
 
     def get_tokenizer(self):

@@ -104,9 +104,9 @@ def serve_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         raise app.UsageError("--kv_connector needs --kv_transfer (the engine compiles its block moves)")
     multihost.initialize(distributed)  # before anything touches a device
     enable_compilation_cache(f.compilation_cache_dir)
-    print(f"loading {f.model} and compiling the engine's buckets ...", file=sys.stderr)
+    print(f"loading {f.model} ...", file=sys.stderr)
     try:
-        engine = LLMEngine(f.model, config, allocator_factory=make_allocator)  # --kv_allocator: baselines too
+        engine = LLMEngine(f.model, config, allocator_factory=make_allocator, show_progress=True)  # --kv_allocator: baselines too
     except (ValueError, OSError) as exc:  # every loading and sizing error says what is wrong and where
         if f.log_level == "debug":
             traceback.print_exc()

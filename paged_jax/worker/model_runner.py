@@ -265,7 +265,7 @@ class ModelRunner:
         a cold start compiles for a minute or more on a small CPU, and a silent console then
         looks hung."""
         shapes = self.batch_shapes()
-        bar = tqdm.tqdm(total=len(shapes) + 1, desc="compiling the engine's buckets", unit="bucket",
+        bar = tqdm.tqdm(total=len(shapes) + 1, desc="compiling buckets", unit="bucket",
                         disable=not progress, leave=False, file=sys.stderr)
         heads_compiled = set()
         for num_seqs, num_tokens in shapes:

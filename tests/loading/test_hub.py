@@ -19,7 +19,7 @@ import pytest
 from huggingface_hub import scan_cache_dir, try_to_load_from_cache
 
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.llm import LLM
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import hub, load_model
 from tests.helpers.tiny_smollm2_vocab import save_tiny_smollm2_vocab
 
