@@ -7,7 +7,8 @@ paged_jax code at all):
         < entrypoints
 
 So the core (pure-Python bookkeeping) knows neither the device nor the paper's baselines
-(they plug in from the engine, behind the block manager's interface), the worker never
+(they plug in from the entry points, behind the block manager's interface:
+tests/test_baselines_plug_in.py), the worker never
 reaches into the engine, and nothing below the entry points knows a server exists. What
 differs between CPU, GPU and TPU is the platform layer's: the model and attention layers
 below it are handed its choices as arguments, and only its CPU modules import the native
