@@ -1,0 +1,174 @@
+"""Where a decode step's wall time goes: host phases, device time, and how long the device idles.
+
+    python -m experiments.engine_overhead                         # tiny Llama, 64 sequences, both runners
+    python -m experiments.engine_overhead --model=smollm2-135m --runners=model
+
+Why: on an accelerator a small model's step is a few ms of device work, as long as the
+engine's Python; run strictly in sequence (schedule -> prepare -> dispatch -> wait -> read
+back -> process outputs), every ms of host work is a ms the device idles. This script
+splits a decode step of --num_seqs sequences into its phases, timed by wrapping the
+engine's own parts (nothing in the engine is changed for it):
+
+  schedule      Scheduler.schedule (the block manager's allocations included)
+  stats         EngineStats.record_schedule + record_step (the paper's figures only with
+                EngineConfig.paper_metrics, which every setting runs both ways, A B A B)
+  runner_host   ModelRunner.execute less its device time: batch preparation, dispatch,
+                reading the tokens back
+  device        the runner's device seconds (inside its jitted calls, waiting included)
+  core_update   the rest of EngineCore.step: appending tokens, stop checks, outputs, pool check
+  outputs       LLMEngine's output processing (detokenization, stop strings, RequestOutputs)
+
+and reports per step (median over the steps that decode every sequence, lowest median
+over --rounds: other work shares these CPUs, and a disturbed round only raises it) the
+host total (step wall time less device time) and the device's idle fraction (host / wall).
+With --runners=host_only the device part is absent (experiments/benchmarks/host_only_runner.py:
+the real batch preparation, random tokens), isolating the engine's own host work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "tiny_llama", "Model (any load_model source) or a tiny_* preset.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "smollm2-135m",
+                                 "Registered model whose tokenizer decodes the outputs (for tiny_* presets).")
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 64, "Sequences decoding together.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
+_OUTPUT_LEN = flags.DEFINE_integer("output_len", 64, "Output tokens per sequence (ignore_eos).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "A B A B rounds over the settings; each counts its lowest median.")
+_RUNNERS = flags.DEFINE_multi_enum("runners", ["model", "host_only"], ["model", "host_only"],
+                                   "model: the real runner; host_only: batch preparation only, random tokens.")
+_OUTPUT = flags.DEFINE_string("output", "engine_overhead", "Result name: experiments/results/<output>.json.")
+
+PHASES = ("schedule", "stats", "runner_host", "device", "core_update", "outputs")
+
+
+class PhaseTimer:
+    """Wraps an engine's parts to time each phase of every step (engine/ is not changed)."""
+
+    def __init__(self, engine):
+        core = engine.core
+        self.steps: list[dict] = []
+        self._current: dict[str, float] = {}
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.stats_tracker, "record_schedule", "stats")
+        self._wrap(core.stats_tracker, "record_step", "stats")
+        self._wrap(core.runner, "execute", "execute")
+        self._wrap(core, "step", "core_step")
+        self._runner, self._engine_step = core.runner, engine.step
+        engine.step = self._step
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._current[phase] = self._current.get(phase, 0.0) + time.perf_counter() - start
+        setattr(owner, name, timed)
+
+    def _step(self):
+        self._current = {}
+        device_before = self._runner.device_seconds
+        start = time.perf_counter()
+        outputs = self._engine_step()
+        wall = time.perf_counter() - start
+        t = self._current
+        device = self._runner.device_seconds - device_before
+        self.steps.append({
+            "wall": wall, "device": device, "schedule": t.get("schedule", 0.0), "stats": t.get("stats", 0.0),
+            "runner_host": t.get("execute", 0.0) - device,
+            "core_update": t.get("core_step", 0.0) - t.get("schedule", 0.0) - t.get("stats", 0.0) - t.get("execute", 0.0),
+            "outputs": wall - t.get("core_step", 0.0)})
+        return outputs
+
+
+def decode_steps(engine, prompts, params, timer: PhaseTimer) -> list[dict]:
+    """Serve one batch; the phase times of each step that decoded every sequence."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    steps, log = [], engine.stats_tracker.step_log
+    while engine.has_unfinished_requests():
+        logged = len(log)
+        engine.step()
+        if len(log) > logged and log[-1][0] == log[-1][1] == len(prompts):
+            steps.append(timer.steps[-1])
+    return steps
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Median ms per phase, host total and the device's idle fraction over `steps`."""
+    ms = {phase: round(1e3 * statistics.median(s[phase] for s in steps), 3) for phase in PHASES}
+    wall = statistics.median(s["wall"] for s in steps)
+    host = statistics.median(s["wall"] - s["device"] for s in steps)
+    return {"phases_ms": ms, "wall_ms": round(1e3 * wall, 3), "host_ms": round(1e3 * host, 3),
+            "device_idle_fraction": round(statistics.median((s["wall"] - s["device"]) / s["wall"] for s in steps), 4),
+            "decode_steps": len(steps)}
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    from experiments.bench_models import load_for_benchmark
+    from experiments.benchmarks.host_only_runner import HostOnlyRunner
+    from experiments.reporting.results_io import write_result
+    from paged_jax.config.engine_config import EngineConfig
+    from paged_jax.core.sampling_params import SamplingParams
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
+    from paged_jax.loading.registry import resolve
+    from paged_jax.model.llama import init_params
+    from paged_jax.worker.compilation_cache import enable_compilation_cache
+    from paged_jax.worker.model_runner import ModelRunner
+    enable_compilation_cache()
+    n, prompt_len, output_len = _NUM_SEQS.value, _PROMPT_LEN.value, _OUTPUT_LEN.value
+    max_len = -(-(prompt_len + output_len) // 64) * 64
+    model = load_for_benchmark(_MODEL.value, max_len)
+    if model.tokenizer is None:  # a random-weight preset speaks the tokenizer's vocabulary (its tokens decode)
+        tokenizer = load_gguf_tokenizer(resolve(_TOKENIZER.value))
+        cfg = dataclasses.replace(model.config, vocab_size=len(tokenizer))
+        model = dataclasses.replace(model, config=cfg, params=init_params(cfg, jax.random.key(0)), tokenizer=tokenizer,
+                                    source=f"{model.source} with {_TOKENIZER.value}'s tokenizer and vocabulary")
+    base = EngineConfig(max_model_len=max_len, max_num_seqs=n, max_num_batched_tokens=n * prompt_len, block_size=16,
+                        num_blocks=n * (max_len // 16) + 8, seq_buckets=(n,), token_buckets=(n, n * prompt_len),
+                        enable_prefix_caching=False)
+    settings = [(runner, paper) for runner in _RUNNERS.value for paper in (False, True)]
+    engines = {}
+    for runner, paper in settings:
+        factory = {"model": ModelRunner, "host_only": HostOnlyRunner}[runner]
+        engine = LLMEngine(model, dataclasses.replace(base, paper_metrics=paper), runner_factory=factory,
+                           final_outputs_only=True)
+        engines[runner, paper] = (engine, PhaseTimer(engine))
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    runs = {setting: [] for setting in settings}
+    for _ in range(_ROUNDS.value):  # A B A B: each round runs every setting once
+        prompts = [rng.integers(3, model.config.vocab_size, prompt_len).tolist() for _ in range(n)]
+        for setting in settings:
+            engine, timer = engines[setting]
+            runs[setting].append(summarize(decode_steps(engine, prompts, params, timer)))
+    rows = []
+    for (runner, paper), summaries in runs.items():
+        best = min(summaries, key=lambda s: s["host_ms"])
+        rows.append({"runner": runner, "paper_metrics": paper, **best,
+                     "host_ms_per_round": [s["host_ms"] for s in summaries]})
+        print(f"{runner:9} paper_metrics={paper!s:5}: host {best['host_ms']} ms/step of {best['wall_ms']} "
+              f"(device idle {best['device_idle_fraction']:.1%}); "
+              + ", ".join(f"{p} {v}" for p, v in best["phases_ms"].items()), flush=True)
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
+    print("wrote", write_result(_OUTPUT.value, flags=flag_values, seed=0,
+                                figures={"model": model.source, "num_seqs": n, "prompt_len": prompt_len,
+                                         "output_len": output_len, "rows": rows}))
+
+
+if __name__ == "__main__":
+    flags.FLAGS.set_default("verbosity", -1)
+    app.run(main)
