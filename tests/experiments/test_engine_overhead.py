@@ -1,11 +1,12 @@
-"""experiments/engine_overhead.py: the phase timer adds up, and sees what it should."""
+"""experiments/engine_overhead.py's phase timer (experiments/benchmarks/phase_timer.py): the phases add up
+to the step, and it sees what it should."""
 
 import dataclasses
 
 import pytest
 
 from experiments.benchmarks.host_only_runner import HostOnlyRunner
-from experiments.engine_overhead import PHASES, PhaseTimer, decode_steps, summarize
+from experiments.benchmarks.phase_timer import PHASES, PhaseTimer, decode_steps, summarize
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
