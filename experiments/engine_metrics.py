@@ -44,19 +44,10 @@ _OUTPUT = flags.DEFINE_string("output", "", "Result name (default: engine_metric
                                             "for --measure=attention_backends).")
 
 
-def _engine_model(preset: str, model: str, dtype: str = "float32"):
-    import dataclasses
-
-    import jax
-
-    import configs
-    from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model.llama import init_params
-    if preset:
-        # random weights: lift the position limit so the trace's lengths fit
-        cfg = dataclasses.replace(configs.get_config(preset), max_position_embeddings=_MAX_MODEL_LEN.value)
-        return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, f"random:{preset}", "memory", 0.0)
-    return load_model(model, dtype=dtype)
+def _engine_model(preset: str, model: str):
+    """--utilization_preset with random weights (position limit lifted to --max_model_len), else --model."""
+    from experiments.bench_models import RANDOM_PREFIX, load_for_benchmark
+    return load_for_benchmark(f"{RANDOM_PREFIX}{preset}" if preset else model, _MAX_MODEL_LEN.value)
 
 
 def _utilization() -> dict:
