@@ -32,9 +32,9 @@ import time
 
 import numpy as np
 
-from experiments.simulator.simulator import Simulator
+from experiments.simulator.simulator import Simulator, budget_num_blocks
 from experiments.simulator.step_time_model import StepTimeModel
-from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.config.engine_config import EngineConfig
 
 
 # flags are defined in main's module only when run, so importing this defines none
@@ -100,7 +100,6 @@ def main(argv):
     import configs
     from experiments.reporting.results_io import write_result
     from experiments.benchmarks.workloads import make_trace
-    from paged_jax.worker.kv_cache import bytes_per_block
     f = flags.FLAGS
     total_start, load_average_start = time.perf_counter(), os.getloadavg()
     model_config = configs.get_config(f.model_config)
@@ -118,8 +117,7 @@ def main(argv):
     rows = []
     for block_size in (int(b) for b in f.block_size):
         for allocator in f.kv_allocator:
-            budget = f.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = f.num_blocks or budget // bytes_per_block(model_config, block_size, "float32")
+            num_blocks = f.num_blocks or budget_num_blocks(model_config, block_size, f.kv_cache_memory_bytes)
             config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=f.max_model_len,
                                   max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                                   preemption_mode=f.preemption_mode if allocator == "paged" else "recompute",

@@ -31,8 +31,9 @@ import numpy as np
 
 from experiments.simulator.fleet import FleetSimulator
 from experiments.simulator.routing import POLICIES, make_router
+from experiments.simulator.simulator import budget_num_blocks
 from experiments.simulator.step_time_model import StepTimeModel
-from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.config.engine_config import EngineConfig
 
 _ROW_KEYS = ("prefix_cache_hit_rate", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
              "tpot_s_p99", "mean_normalized_latency_s", "requests_per_s", "output_tokens_per_s", "virtual_seconds",
@@ -81,7 +82,6 @@ def main(argv):
     import configs
     from experiments.benchmarks.workloads import make_trace
     from experiments.reporting.results_io import write_result
-    from paged_jax.worker.kv_cache import bytes_per_block
     f = flags.FLAGS
     total_start, load_average_start = time.perf_counter(), os.getloadavg()
     model_config = configs.get_config(f.model_config)
@@ -95,8 +95,7 @@ def main(argv):
     print(f"{len(trace)} {f.workload}-like requests at {f.request_rate}/s over {f.num_replicas} replicas: mean prompt "
           f"{np.mean(prompt_lens):.1f}, mean output {np.mean([r.max_tokens for r in trace]):.1f} tokens; trace made "
           f"in {trace_seconds:.1f} s")
-    budget = f.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-    num_blocks = budget // bytes_per_block(model_config, f.block_size, "float32")
+    num_blocks = budget_num_blocks(model_config, f.block_size, f.kv_cache_memory_bytes)
     config = EngineConfig(block_size=f.block_size, num_blocks=num_blocks, max_model_len=f.max_model_len,
                           max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                           enable_prefix_caching=f.enable_prefix_caching, attention_backend="reference")
