@@ -91,7 +91,7 @@ def main(argv):
     import jax
 
     from experiments.bench_models import load_for_benchmark
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from experiments.reporting.results_io import write_result
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.llm import LLM
@@ -146,8 +146,7 @@ def main(argv):
     figures = {"model": loaded.source, "device": jax.devices()[0].device_kind, "workload": "sharegpt",
                "matmul_precision": FLAGS.matmul_precision or "default",
                "num_requests": len(requests), "useful_output_tokens": sum(r.max_tokens for r in requests),
-               "mean_prompt_tokens": round(statistics.mean(len(r.prompt_token_ids) for r in requests), 1),
-               "mean_output_tokens": round(statistics.mean(r.max_tokens for r in requests), 1),
+               **trace_means(requests, digits=1),
                "engine_settings": {"max_num_seqs": FLAGS.max_num_seqs,
                                    "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
                                    "kv_cache_gib": FLAGS.kv_cache_gib, **{k: list(v) for k, v in buckets.items()}},

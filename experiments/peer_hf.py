@@ -194,7 +194,7 @@ def load_hf_model(name: str):
 def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     from paged_jax.loading import load_model
     enable_compilation_cache()
@@ -209,8 +209,7 @@ def main(argv):
         hf_model = load_hf_model(_MODEL.value)
         hf_load = time.perf_counter() - start
     figures = {"model": loaded.source, "hf_load_s": round(hf_load, 1),
-               "mean_prompt_tokens": round(sum(len(r.prompt_token_ids) for r in requests) / len(requests), 1),
-               "mean_output_tokens": round(sum(r.max_tokens for r in requests) / len(requests), 1)}
+               **trace_means(requests, digits=1)}
     outputs = {}
     for mode in _MODES.value:
         try:
