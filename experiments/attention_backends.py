@@ -56,21 +56,6 @@ FLAGS = flags.FLAGS
 MAX_MODEL_LEN = 2048  # peer_vllm's and trace_step_breakdown's
 
 
-def load_model(name: str):
-    """load_for_benchmark's models, plus random:<preset>: any configs preset, random weights."""
-    from experiments.bench_models import load_for_benchmark
-    if not name.startswith("random:"):
-        return load_for_benchmark(name, MAX_MODEL_LEN)
-    import jax
-
-    import configs
-    from paged_jax.loading import LoadedModel
-    from paged_jax.model.llama import init_params
-    cfg = configs.get_config(name.split(":", 1)[1])
-    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, MAX_MODEL_LEN))
-    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, name, "memory", 0.0)
-
-
 def compare(reference_llm, requests, reference: list[list[int]], candidate: list[list[int]],
             tie_tolerance: float) -> dict:
     """Equal outputs, and at each first difference the reference engine's logit gap
@@ -105,7 +90,8 @@ def main(argv):
 
     import jax
 
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.bench_models import load_for_benchmark
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from experiments.reporting.results_io import write_result
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.llm import LLM
@@ -113,7 +99,7 @@ def main(argv):
     enable_compilation_cache()
     if FLAGS.matmul_precision:
         jax.config.update("jax_default_matmul_precision", FLAGS.matmul_precision)
-    loaded = load_model(FLAGS.model)
+    loaded = load_for_benchmark(FLAGS.model, MAX_MODEL_LEN)
     requests = make_trace("sharegpt", FLAGS.num_requests, seed=FLAGS.seed, scale=1.0,
                           max_model_len=MAX_MODEL_LEN,
                           vocab_size=loaded.config.vocab_size)
@@ -160,8 +146,7 @@ def main(argv):
     figures = {"model": loaded.source, "device": jax.devices()[0].device_kind, "workload": "sharegpt",
                "matmul_precision": FLAGS.matmul_precision or "default",
                "num_requests": len(requests), "useful_output_tokens": sum(r.max_tokens for r in requests),
-               "mean_prompt_tokens": round(statistics.mean(len(r.prompt_token_ids) for r in requests), 1),
-               "mean_output_tokens": round(statistics.mean(r.max_tokens for r in requests), 1),
+               **trace_means(requests, digits=1),
                "engine_settings": {"max_num_seqs": FLAGS.max_num_seqs,
                                    "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
                                    "kv_cache_gib": FLAGS.kv_cache_gib, **{k: list(v) for k, v in buckets.items()}},

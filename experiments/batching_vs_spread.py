@@ -54,17 +54,15 @@ def main(argv):
     del argv
     import configs
     from experiments.reporting.results_io import write_result
-    from experiments.simulator.simulator import Simulator
+    from experiments.simulator.simulator import Simulator, budget_num_blocks
     from experiments.simulator.step_time_model import StepTimeModel
     from experiments.benchmarks.workloads import fluid_ratio, make_trace
-    from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-    from paged_jax.worker.kv_cache import bytes_per_block
+    from paged_jax.config.engine_config import EngineConfig
     if set(_ALLOCATORS.value) - set(KV_ALLOCATORS):
         raise app.UsageError(f"--kv_allocator must be among {KV_ALLOCATORS}; got {_ALLOCATORS.value}")
     model_config = configs.get_config(_MODEL_CONFIG.value)
     step_model = StepTimeModel.load(_STEP_TIME_MODEL.value)
-    num_blocks = _NUM_BLOCKS.value or DEFAULT_KV_CACHE_MEMORY_BYTES // bytes_per_block(
-        model_config, _BLOCK_SIZE.value, "float32")
+    num_blocks = _NUM_BLOCKS.value or budget_num_blocks(model_config, _BLOCK_SIZE.value)
     start = time.perf_counter()
     points = []
     for sigma in (float(s) for s in _SIGMAS.value):

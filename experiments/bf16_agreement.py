@@ -120,7 +120,7 @@ def main(argv):
 
     from experiments.bench_models import load_for_benchmark
     from experiments.benchmarks.logits_capture import next_token_logits
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from experiments.reporting.results_io import write_result
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.llm import LLM
@@ -162,8 +162,7 @@ def main(argv):
     closeness = logit_closeness(logits["float32"], logits["bfloat16"])
     figures = {"model": loaded.source, "workload": _WORKLOAD.value,
                "useful_output_tokens": sum(r.max_tokens for r in requests),
-               "mean_prompt_tokens": round(statistics.mean(len(r.prompt_token_ids) for r in requests), 1),
-               "mean_output_tokens": round(statistics.mean(r.max_tokens for r in requests), 1),
+               **trace_means(requests, digits=1),
                "runs": runs, "outputs": agreement, "logits": closeness, "load_average_end": os.getloadavg()}
     if _CHECK.value:
         gaps = divergence_gaps(engines, requests, outputs)

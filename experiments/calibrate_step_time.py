@@ -47,19 +47,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the fit trace (the held-out tra
 _OUTPUT = flags.DEFINE_string("output", "step_time_model", "Result name: experiments/results/<output>.json.")
 
 
-def load(name: str):
-    """The model: real weights, or a tiny_* preset with random weights (init key 0)."""
-    import jax
-
-    import configs
-    from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model.llama import init_params
-    if not (name in configs.PRESETS and name.startswith("tiny_")):
-        return load_model(name, dtype="float32")
-    cfg = configs.get_config(name)
-    return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, f"random:{name}", "memory", 0.0)
-
-
 def measure_steps(engine, trace) -> list[tuple]:
     """Serve `trace` (all at once) on `engine`; per step: (num_tokens, num_seqs,
     context_tokens, padded num_tokens, padded num_seqs, wall seconds)."""
@@ -105,6 +92,7 @@ def _summary(steps) -> dict:
 
 def main(argv):
     del argv
+    from experiments.bench_models import load_for_benchmark
     from experiments.reporting.results_io import write_result
     from experiments.simulator.step_time_model import StepTimeModel, fit_error
     from experiments.benchmarks.workloads import make_trace
@@ -113,7 +101,7 @@ def main(argv):
     from paged_jax.config.engine_config import EngineConfig
     enable_compilation_cache()
     wall_start, load_average_start = time.perf_counter(), os.getloadavg()
-    model = load(_MODEL.value)
+    model = load_for_benchmark(_MODEL.value, _MAX_MODEL_LEN.value)
     config = EngineConfig(block_size=_BLOCK_SIZE.value, max_model_len=_MAX_MODEL_LEN.value,
                           max_num_seqs=_MAX_NUM_SEQS.value, max_num_batched_tokens=_MAX_BATCHED.value,
                           enable_prefix_caching=False)

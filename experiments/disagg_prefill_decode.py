@@ -66,13 +66,8 @@ def _engine(model: str, engine_options: dict):
     from paged_jax.config.engine_config import EngineConfig
     from paged_jax.engine.llm_engine import LLMEngine
     if model.startswith("random:"):
-        import jax
-
-        import configs
-        from paged_jax.loading import LoadedModel
-        from paged_jax.model.llama import init_params
-        cfg = configs.get_config(model.split(":", 1)[1])
-        loaded = LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, "memory", "memory", 0.0)
+        from experiments.bench_models import random_model
+        loaded = random_model(model.split(":", 1)[1])
     else:
         from paged_jax.loading.loader import load_model
         loaded = load_model(model)

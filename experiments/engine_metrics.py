@@ -44,23 +44,14 @@ _OUTPUT = flags.DEFINE_string("output", "", "Result name (default: engine_metric
                                             "for --measure=attention_backends).")
 
 
-def _engine_model(preset: str, model: str, dtype: str = "float32"):
-    import dataclasses
-
-    import jax
-
-    import configs
-    from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model.llama import init_params
-    if preset:
-        # random weights: lift the position limit so the trace's lengths fit
-        cfg = dataclasses.replace(configs.get_config(preset), max_position_embeddings=_MAX_MODEL_LEN.value)
-        return LoadedModel(cfg, init_params(cfg, jax.random.key(0)), None, f"random:{preset}", "memory", 0.0)
-    return load_model(model, dtype=dtype)
+def _engine_model(preset: str, model: str):
+    """--utilization_preset with random weights (position limit lifted to --max_model_len), else --model."""
+    from experiments.bench_models import RANDOM_PREFIX, load_for_benchmark
+    return load_for_benchmark(f"{RANDOM_PREFIX}{preset}" if preset else model, _MAX_MODEL_LEN.value)
 
 
 def _utilization() -> dict:
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.core.sampling_params import SamplingParams
     model = _engine_model(_UTIL_PRESET.value, _MODEL.value)
@@ -71,13 +62,12 @@ def _utilization() -> dict:
     llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in trace],
                  [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in trace])
     stats = llm.stats()
-    prompts = [len(r.prompt_token_ids) for r in trace]
-    outputs = [r.max_tokens for r in trace]
+    means = trace_means(trace)
     print(f"KV utilization {stats['kv_utilization']:.4f} over {stats['num_steps']} steps "
-          f"(mean prompt {statistics.mean(prompts):.0f}, mean output {statistics.mean(outputs):.0f})")
+          f"(mean prompt {means['mean_prompt_tokens']:.0f}, mean output {means['mean_output_tokens']:.0f})")
     return {"model": model.source, "kv_utilization": round(stats["kv_utilization"], 4),
             "num_steps": stats["num_steps"], "num_preemptions": stats["num_preemptions"],
-            "mean_prompt_tokens": statistics.mean(prompts), "mean_output_tokens": statistics.mean(outputs),
+            **means,
             "mean_batched_seqs": round(stats["mean_batched_seqs"], 2),
             "num_compilations_after_warm_up": stats["num_compilations_after_warm_up"]}
 

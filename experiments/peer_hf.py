@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 
 # torch's OpenMP threads spin at every barrier by default; on 2 shared cores (another job
@@ -169,27 +168,17 @@ def paged_jax_run(loaded, requests, max_model_len: int, max_num_seqs: int = 32, 
 
 
 def compare_greedy(model, requests, reference_outputs, outputs) -> dict:
-    """Counts of equal / near-tie / mismatched outputs, the HF model (unpadded prompt) as the
-    logits reference of tests/helpers/greedy_check.py's rule."""
+    """benchmarks/vllm_worker.compare_outputs (equal / near-tie / mismatched outputs, where
+    each first differs) with the HF model (unpadded prompt) as the logits reference of
+    tests/helpers/greedy_check.py's rule."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: tests.helpers
-    from tests.helpers.greedy_check import assert_greedy_match
+
+    from experiments.benchmarks.vllm_worker import compare_outputs
 
     def next_logits(ids):
         with torch.no_grad():
             return model(torch.tensor([ids])).logits[0, -1].float().numpy()
-    counts = {"equal": 0, "near_tie": 0, "mismatch": 0, "mismatched_requests": []}
-    for i, (r, want, got) in enumerate(zip(requests, reference_outputs, outputs)):
-        if want == got:
-            counts["equal"] += 1
-            continue
-        try:
-            assert_greedy_match(r.prompt_token_ids, want, got, next_logits)
-            counts["near_tie"] += 1
-        except AssertionError:
-            counts["mismatch"] += 1
-            counts["mismatched_requests"].append(i)
-    return counts
+    return compare_outputs([list(r.prompt_token_ids) for r in requests], reference_outputs, outputs, next_logits)
 
 
 def load_hf_model(name: str):
@@ -205,7 +194,7 @@ def load_hf_model(name: str):
 def main(argv):
     del argv
     from experiments.reporting.results_io import write_result
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     from paged_jax.loading import load_model
     enable_compilation_cache()
@@ -220,8 +209,7 @@ def main(argv):
         hf_model = load_hf_model(_MODEL.value)
         hf_load = time.perf_counter() - start
     figures = {"model": loaded.source, "hf_load_s": round(hf_load, 1),
-               "mean_prompt_tokens": round(sum(len(r.prompt_token_ids) for r in requests) / len(requests), 1),
-               "mean_output_tokens": round(sum(r.max_tokens for r in requests) / len(requests), 1)}
+               **trace_means(requests, digits=1)}
     outputs = {}
     for mode in _MODES.value:
         try:

@@ -20,9 +20,9 @@ import pstats
 import time
 
 from experiments.simulate import _row
-from experiments.simulator.simulator import Simulator
+from experiments.simulator.simulator import Simulator, budget_num_blocks
 from experiments.simulator.step_time_model import StepTimeModel
-from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.config.engine_config import EngineConfig
 
 
 def _define_flags():
@@ -57,12 +57,11 @@ def main(argv):
     import configs
     from experiments.benchmarks.workloads import make_trace
     from experiments.reporting.results_io import write_result
-    from paged_jax.worker.kv_cache import bytes_per_block
     f = flags.FLAGS
     model_config = configs.get_config("smollm2_135m")
     step_model = StepTimeModel.load(f.step_time_model)
     trace = make_trace(f.workload, f.num_requests, seed=0, max_model_len=2048, vocab_size=model_config.vocab_size)
-    num_blocks = DEFAULT_KV_CACHE_MEMORY_BYTES // bytes_per_block(model_config, f.block_size, "float32")
+    num_blocks = budget_num_blocks(model_config, f.block_size)
     config = EngineConfig(block_size=f.block_size, num_blocks=num_blocks, max_model_len=2048,
                           max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                           preemption_mode="recompute", enable_prefix_caching=False, attention_backend="reference")

@@ -30,11 +30,9 @@ import math
 import os
 import time
 
-import numpy as np
-
-from experiments.simulator.simulator import Simulator
+from experiments.simulator.simulator import Simulator, budget_num_blocks
 from experiments.simulator.step_time_model import StepTimeModel
-from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.config.engine_config import EngineConfig
 
 
 # flags are defined in main's module only when run, so importing this defines none
@@ -99,8 +97,7 @@ def main(argv):
 
     import configs
     from experiments.reporting.results_io import write_result
-    from experiments.benchmarks.workloads import make_trace
-    from paged_jax.worker.kv_cache import bytes_per_block
+    from experiments.benchmarks.workloads import make_trace, trace_means
     f = flags.FLAGS
     total_start, load_average_start = time.perf_counter(), os.getloadavg()
     model_config = configs.get_config(f.model_config)
@@ -110,16 +107,14 @@ def main(argv):
     trace = make_trace(f.workload, f.num_requests, seed=f.seed, scale=f.scale, max_model_len=f.max_model_len,
                        vocab_size=model_config.vocab_size, request_rate=rate)
     trace_seconds = time.perf_counter() - start
-    prompt_lens = [len(r.prompt_token_ids) for r in trace]
-    output_lens = [r.max_tokens for r in trace]
+    means = trace_means(trace)
     print(f"{len(trace)} {f.workload}-like requests (scale {f.scale}, "
-          f"{'all at t=0' if rate is None else f'{rate}/s'}): mean prompt {np.mean(prompt_lens):.1f}, mean output "
-          f"{np.mean(output_lens):.1f} tokens; trace made in {trace_seconds:.1f} s")
+          f"{'all at t=0' if rate is None else f'{rate}/s'}): mean prompt {means['mean_prompt_tokens']:.1f}, mean "
+          f"output {means['mean_output_tokens']:.1f} tokens; trace made in {trace_seconds:.1f} s")
     rows = []
     for block_size in (int(b) for b in f.block_size):
         for allocator in f.kv_allocator:
-            budget = f.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = f.num_blocks or budget // bytes_per_block(model_config, block_size, "float32")
+            num_blocks = f.num_blocks or budget_num_blocks(model_config, block_size, f.kv_cache_memory_bytes)
             config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=f.max_model_len,
                                   max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                                   preemption_mode=f.preemption_mode if allocator == "paged" else "recompute",
@@ -133,8 +128,7 @@ def main(argv):
             del sim
     total_seconds = time.perf_counter() - total_start
     figures = {"model_config": f.model_config, "step_time_model": step_model.to_dict(),
-               "workload": f.workload, "request_rate": rate, "mean_prompt_tokens": float(np.mean(prompt_lens)),
-               "mean_output_tokens": float(np.mean(output_lens)), "trace_seconds": round(trace_seconds, 2),
+               "workload": f.workload, "request_rate": rate, **means, "trace_seconds": round(trace_seconds, 2),
                "runs": rows, "wall_seconds_total": round(total_seconds, 2),
                "load_average_start": load_average_start, "load_average_end": os.getloadavg(),
                "python_loop_seconds": python_loop_seconds(),

@@ -27,12 +27,11 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 from experiments.simulator.fleet import FleetSimulator
 from experiments.simulator.routing import POLICIES, make_router
+from experiments.simulator.simulator import budget_num_blocks
 from experiments.simulator.step_time_model import StepTimeModel
-from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from paged_jax.config.engine_config import EngineConfig
 
 _ROW_KEYS = ("prefix_cache_hit_rate", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
              "tpot_s_p99", "mean_normalized_latency_s", "requests_per_s", "output_tokens_per_s", "virtual_seconds",
@@ -79,9 +78,8 @@ def main(argv):
     from tqdm.auto import tqdm
 
     import configs
-    from experiments.benchmarks.workloads import make_trace
+    from experiments.benchmarks.workloads import make_trace, trace_means
     from experiments.reporting.results_io import write_result
-    from paged_jax.worker.kv_cache import bytes_per_block
     f = flags.FLAGS
     total_start, load_average_start = time.perf_counter(), os.getloadavg()
     model_config = configs.get_config(f.model_config)
@@ -91,12 +89,11 @@ def main(argv):
                        vocab_size=model_config.vocab_size, request_rate=f.request_rate, prefix_len=f.prefix_len,
                        num_prefixes=f.num_prefixes)
     trace_seconds = time.perf_counter() - start
-    prompt_lens = [len(r.prompt_token_ids) for r in trace]
+    means = trace_means(trace)
     print(f"{len(trace)} {f.workload}-like requests at {f.request_rate}/s over {f.num_replicas} replicas: mean prompt "
-          f"{np.mean(prompt_lens):.1f}, mean output {np.mean([r.max_tokens for r in trace]):.1f} tokens; trace made "
+          f"{means['mean_prompt_tokens']:.1f}, mean output {means['mean_output_tokens']:.1f} tokens; trace made "
           f"in {trace_seconds:.1f} s")
-    budget = f.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-    num_blocks = budget // bytes_per_block(model_config, f.block_size, "float32")
+    num_blocks = budget_num_blocks(model_config, f.block_size, f.kv_cache_memory_bytes)
     config = EngineConfig(block_size=f.block_size, num_blocks=num_blocks, max_model_len=f.max_model_len,
                           max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                           enable_prefix_caching=f.enable_prefix_caching, attention_backend="reference")
@@ -112,8 +109,7 @@ def main(argv):
         del fleet
     total_seconds = time.perf_counter() - total_start
     figures = {"model_config": f.model_config, "step_time_model": step_model.to_dict(), "workload": f.workload,
-               "num_blocks_per_replica": num_blocks, "mean_prompt_tokens": float(np.mean(prompt_lens)),
-               "mean_output_tokens": float(np.mean([r.max_tokens for r in trace])),
+               "num_blocks_per_replica": num_blocks, **means,
                "trace_seconds": round(trace_seconds, 2), "runs": rows, "wall_seconds_total": round(total_seconds, 2),
                "load_average_start": load_average_start, "load_average_end": os.getloadavg(),
                "note": "wall_seconds: the simulation of one policy; every latency / throughput: the virtual clock "

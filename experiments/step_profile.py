@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 
 from absl import app, flags
 
@@ -60,14 +59,8 @@ _OUTPUT = flags.DEFINE_string("output", "step_profile", "Result name: experiment
 
 
 def _median_ms(fn, *args, iters: int) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
+    from experiments.benchmarks.kernel_timing import median_seconds
+    return round(median_seconds(fn, args, iters) * 1e3, 3)
 
 
 def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int, iters: int,

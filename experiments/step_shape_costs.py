@@ -9,12 +9,11 @@ padded size; block copies run as their own call, only in steps that have any (ru
 because copying the padded list (max_num_seqs entries) inside every step cost most of a
 small decode step. Steps run on padding-only batches (every row is padding: this times
 the model's matmuls, logits and sampling at that shape, not attention over a context).
+Times are medians of --iters calls after one untimed call (benchmarks/step_batches.median_ms,
+as roofline.py and helper_threads.py time their steps).
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 from absl import app, flags
 
@@ -27,12 +26,8 @@ _OUTPUT = flags.DEFINE_string("output", "step_shape_costs", "Result name: experi
 
 
 def _median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(1e3 * statistics.median(times), 2)
+    from experiments.benchmarks.step_batches import median_ms
+    return round(median_ms(fn, iters), 2)
 
 
 def main(argv):

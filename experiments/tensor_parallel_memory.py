@@ -28,16 +28,12 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Paramet
 
 
 def _load(model: str, dtype: str, mesh):
-    import jax
-
     import configs
+    from experiments.bench_models import random_model
     from paged_jax.distributed import tensor_parallel as tp
-    from paged_jax.loading import LoadedModel, load_model
-    from paged_jax.model.llama import init_params
+    from paged_jax.loading import load_model
     if model in configs.PRESETS:
-        cfg = configs.get_config(model)
-        loaded = LoadedModel(cfg, init_params(cfg, jax.random.key(0), jax.numpy.dtype(dtype)), None, model,
-                             "memory", 0.0)
+        loaded = random_model(model, dtype=dtype, source=model)
         return loaded if mesh is None else tp.load_sharded(loaded, dtype, mesh)
     if mesh is None:
         return load_model(model, dtype=dtype)

@@ -83,6 +83,17 @@ def make_trace(workload: str, num_requests: int, *, seed: int = 0, scale: float 
             for p, m, a, w in zip(prompt_lens, output_lens, arrivals, which)]
 
 
+def trace_means(trace, digits: int | None = None) -> dict:
+    """A trace's lengths as records report them: mean prompt tokens and mean output tokens
+    (max_tokens), rounded to `digits` where given. One function so that every record's
+    "mean_prompt_tokens" / "mean_output_tokens" mean the same thing."""
+    if not trace:
+        raise ValueError("trace_means needs at least one request")
+    means = {"mean_prompt_tokens": float(np.mean([len(r.prompt_token_ids) for r in trace])),
+             "mean_output_tokens": float(np.mean([r.max_tokens for r in trace]))}
+    return means if digits is None else {k: round(v, digits) for k, v in means.items()}
+
+
 def fluid_ratio(prompt_lens, output_lens) -> float:
     """E[o (p + o)] / E[o (p + o / 2)]: memory per running request, oracle over paged, when
     the running set is weighted by output length and a paged request is on average half

@@ -21,11 +21,12 @@ import numpy as np
 
 from experiments.simulator.fast_forward import FastForward
 from experiments.simulator.step_time_model import StepTimeModel, step_features
-from paged_jax.config.engine_config import EngineConfig
+from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
+from paged_jax.worker.kv_cache import bytes_per_block
 from paged_jax.worker.model_runner import StepResult
 
 SIMULATED_TOKEN_ID = 3  # what the model-free runner "samples": any id that is no stop token works
@@ -153,6 +154,14 @@ def cyclic_gc_paused():
 
 
 @functools.lru_cache(maxsize=None)
+def budget_num_blocks(model_config, block_size: int, kv_cache_memory_bytes: int | None = None) -> int:
+    """KV blocks (incl. the null block) that a float32 cache of `kv_cache_memory_bytes` holds
+    (None: the engine's default budget): the simulator has no device to size its cache from,
+    so every simulating script gives its engines the blocks the real engine's budget buys."""
+    budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+    return budget // bytes_per_block(model_config, block_size, "float32")
+
+
 def greedy_params(max_tokens: int) -> SamplingParams:
     """A simulated request's sampling parameters (greedy, EOS ignored): one frozen object
     per output length, shared by its requests, instead of one validated per request."""

@@ -1,9 +1,10 @@
 """experiments/attention_backends.py: its comparison finds a changed token and scores it
-with the ground-truth engine's own logits; random:<preset> builds random weights."""
+with the ground-truth engine's own logits."""
 
 import numpy as np
 
 from experiments import attention_backends as ab
+from experiments.bench_models import load_for_benchmark
 from experiments.benchmarks.logits_capture import next_token_logits
 from experiments.benchmarks.workloads import make_trace
 from paged_jax.core.sampling_params import SamplingParams
@@ -11,8 +12,7 @@ from paged_jax.entrypoints.llm import LLM
 
 
 def test_a_changed_token_is_a_mismatch_with_the_reference_logit_gap():
-    loaded = ab.load_model("random:tiny_llama")
-    assert loaded.source == "random:tiny_llama" and loaded.config.max_position_embeddings >= ab.MAX_MODEL_LEN
+    loaded = load_for_benchmark("random:tiny_llama", ab.MAX_MODEL_LEN)
     requests = make_trace("sharegpt", 2, seed=0, scale=0.05, max_model_len=128, vocab_size=loaded.config.vocab_size)
     llm = LLM(loaded, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64,
               attention_backend="reference", seq_buckets=(4,), token_buckets=(64,))

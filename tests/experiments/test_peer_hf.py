@@ -13,7 +13,7 @@ from tests.helpers.greedy_check import assert_greedy_match
 from tests.helpers.hf_variants import VARIANTS, reinit
 
 from experiments.benchmarks.workloads import Request
-from experiments.peer_hf import hf_static, paged_jax_run
+from experiments.peer_hf import compare_greedy, hf_static, paged_jax_run
 from paged_jax.loading import LoadedModel
 from paged_jax.loading.hf_weights import load_hf_directory
 
@@ -59,3 +59,20 @@ def test_static_accounting_and_greedy_parity(tiny):
     for r, want, got in zip(requests, hf_out, ours):
         assert_greedy_match(r.prompt_token_ids, want, got, next_logits)
     assert len({t for o in hf_out for t in o}) > 6, f"degenerate test model: {hf_out}"
+
+
+def test_compare_greedy_counts_and_locates_a_changed_token(tiny):
+    """A token the HF model ranks last, put in place of its greedy choice, is a mismatch at
+    that request and position; the untouched outputs are equal."""
+    model, _ = tiny
+    requests = _requests()
+    hf_out, _ = hf_static(model, requests, batch_size=3, progress=False)
+    prefix = list(requests[1].prompt_token_ids) + hf_out[1][:2]
+    with torch.no_grad():
+        worst = int(model(torch.tensor([prefix])).logits[0, -1].argmin())
+    candidate = [list(o) for o in hf_out]
+    candidate[1][2] = worst
+    counts = compare_greedy(model, requests, hf_out, candidate)
+    assert (counts["equal"], counts["near_tie"], counts["mismatch"]) == (3, 0, 1)
+    assert counts["mismatched_requests"] == [1] and counts["first_differences"] == {"1": 2}
+    assert compare_greedy(model, requests, hf_out, hf_out)["equal"] == len(requests)

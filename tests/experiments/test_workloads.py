@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from experiments.benchmarks.workloads import DATASETS, fluid_ratio, make_trace
+from experiments.benchmarks.workloads import DATASETS, Request, fluid_ratio, make_trace, trace_means
 
 
 @pytest.mark.parametrize("workload", sorted(DATASETS))
@@ -62,3 +62,11 @@ def test_fluid_ratio_by_hand():
     assert fluid_ratio([10, 10], [10, 10]) == pytest.approx(4 / 3)
     # weighted by output length: (1*(1+1) + 9*(1+9)) / (1*(1+0.5) + 9*(1+4.5)) = 92 / 51
     assert fluid_ratio([1, 1], [1, 9]) == pytest.approx(92 / 51)
+
+
+def test_trace_means_are_the_mean_prompt_and_output_lengths():
+    trace = [Request((5, 6), 3, 0.0), Request((5, 6, 7), 4, 0.0), Request((5, 6, 7, 8, 9, 10, 11), 9, 0.0)]
+    assert trace_means(trace) == {"mean_prompt_tokens": 4.0, "mean_output_tokens": 16 / 3}
+    assert trace_means(trace, digits=1) == {"mean_prompt_tokens": 4.0, "mean_output_tokens": 5.3}
+    with pytest.raises(ValueError, match="at least one request"):
+        trace_means([])
