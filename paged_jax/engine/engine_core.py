@@ -328,11 +328,13 @@ class EngineCore:
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
-        grammar_done = self.structured_outputs is not None and self.structured_outputs.accept(seq, token)
-        if token in request.stop_ids:
+        grammar_end = self.structured_outputs.accept(seq, token) if self.structured_outputs is not None else None
+        if grammar_end is SequenceStatus.FINISHED_ERROR:  # the matcher failed (logged): "error", never "stop"
+            status = grammar_end
+        elif token in request.stop_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif grammar_done:  # the constraint admits nothing more (vLLM: stop)
-            status = SequenceStatus.FINISHED_STOPPED
+        elif grammar_end is not None:  # the constraint admits nothing more (vLLM: stop)
+            status = grammar_end
         elif (len(seq.output_token_ids) >= request.params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH

@@ -49,8 +49,8 @@ from paged_jax.entrypoints.openai import tokenize_routes
 from paged_jax.entrypoints.openai.dashboard import DashboardFeed, register_dashboard_routes
 from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
                                                      QueueFull, RequestAborted)
-from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
-                                                 server_busy, unavailable, validation_message)
+from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, generation_error,
+                                                 install_error_handlers, server_busy, unavailable, validation_message)
 from paged_jax.entrypoints.openai.http_guards import HTTPGuards
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
@@ -178,6 +178,9 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
                 if stream.aborted or not stream.finished:
                     stream.abort()
                     recorder.abort()
+            failed = next(filter(None, (generation_error(finals[r.request_id]) for r in group)), None)
+            if failed is not None:
+                return failed.response()
             answer = builder.response([finals[r.request_id] for r in group])
             if group[0].kv_export:
                 answer.kv_transfer_params = (loop.take_kv_transfer_params(group[0].request_id)
@@ -216,6 +219,12 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
                     yield "data: [DONE]\n\n"
                     return
                 recorder.on_output(out)
+                if (failed := generation_error(out)) is not None:  # a completion failed: no more chunks
+                    if stream.finished:
+                        recorder.finish()  # counted by finish reason, "error" among them
+                    yield f"data: {json.dumps(failed.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 if out.finished:
                     finals[out.request_id] = out
                 for chunk in builder.chunks(out):
