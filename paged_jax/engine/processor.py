@@ -27,9 +27,27 @@ class ProcessedPrompt:
     checked: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
 
 
+def refuse_bools(token_ids) -> None:
+    """ValueError if a token id is a bool. `True` is an int in Python (and array "q" and
+    int() take it as 1), so without this check `[True, 5]` would be the prompt [1, 5]: a
+    bool where a token id belongs is a caller's mistake. C passes only (`map(type)`, a
+    dtype check): every request's prompt passes here."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None:
+        is_bool = dtype.kind == "b"
+    else:
+        types = set(map(type, token_ids))
+        is_bool = bool in types or np.bool_ in types
+    if is_bool:
+        index = next(i for i, t in enumerate(token_ids) if isinstance(t, (bool, np.bool_)))
+        raise ValueError(f"token ids must be ints, got the bool {token_ids[index]!r} at index {index} "
+                         "(True and False are not token ids)")
+
+
 def int_list(token_ids) -> list[int]:
-    """`token_ids` as a new list of Python ints, `int()` of each. A list or tuple of ints
-    converts in one C pass (array "q"): every request's prompt passes here."""
+    """`token_ids` as a new list of Python ints, `int()` of each (bools refused). A list or
+    tuple of ints converts in one C pass (array "q"): every request's prompt passes here."""
+    refuse_bools(token_ids)
     if isinstance(token_ids, (list, tuple)):
         try:
             return array("q", token_ids).tolist()
@@ -94,6 +112,8 @@ class Processor:
             except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
                 raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            refuse_bools(prompt)
         if isinstance(prompt, (list, tuple)) and prompt:
             try:  # one C pass for the common case, plain ints (non-ints and ints past int64 raise)
                 return None, array("q", prompt).tolist()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paged_jax.engine.processor import ProcessedPrompt, Processor
+from paged_jax.engine.processor import ProcessedPrompt, Processor, int_list
 
 
 class _Chars:
@@ -53,6 +53,22 @@ def test_accepted_prompts(processor, prompt, want):
 def test_refused_prompts(processor, prompt, message):
     with pytest.raises(ValueError, match=message):
         processor.process(prompt)
+
+
+@pytest.mark.parametrize("prompt", [[True, 5], [5, False], (5, True), {"prompt_token_ids": [5, True]},
+                                    [5, np.bool_(True)], np.array([True, False])])
+def test_bools_are_not_token_ids(processor, prompt):
+    """True is an int in Python: without a check [True, 5] would be the prompt [1, 5]."""
+    with pytest.raises(ValueError, match="token ids must be ints, got the bool"):
+        processor.process(prompt)
+
+
+@pytest.mark.parametrize("ids", [[True, 5], (5, False), [5, np.bool_(True)], np.array([True])])
+def test_the_core_path_refuses_bools_too(ids):
+    """int_list converts the ids the engine core is handed directly (no Processor)."""
+    with pytest.raises(ValueError, match="got the bool"):
+        int_list(ids)
+    assert int_list([5, np.int64(6)]) == [5, 6]
 
 
 def test_text_needs_a_tokenizer():
