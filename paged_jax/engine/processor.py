@@ -4,8 +4,9 @@ A prompt is text, a list of token ids, {"prompt_token_ids": [...]} or {"prompt":
 either dict may add "cache_salt" (requests with different salts never share prefix-cache
 blocks). Everything is checked here, before the engine core queues anything, so a bad
 prompt is a ValueError for its caller and never a failure inside a step. The token-id
-checks are a plain function because the core repeats them for callers that hand it ids
-directly.
+checks are plain functions because the core repeats them for callers that hand it ids
+directly, and the core checks a request's max_tokens against its prompt here too
+(`validate_max_tokens`), since the prompt's length is known only once it is tokenized.
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ def validate_prompt_token_ids(token_ids: Seq[int], max_model_len: int, vocab_siz
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # C loops: a prompt is checked at every request
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def validate_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The prompt and the tokens asked for must fit the context: ValueError (the server's
+    400, with vLLM's wording) when prompt + max_tokens exceeds max_model_len, rather than
+    cutting the completion short unasked. A request that did not say its max_tokens gets
+    the context its prompt leaves (the server's default) and passes."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                         f"in the completion: max_tokens={max_tokens}). Please reduce the length of the prompt or "
+                         f"max_tokens (at most {max_model_len - num_prompt_tokens} with this prompt).")
 
 
 class Processor:
