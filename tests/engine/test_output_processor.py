@@ -8,6 +8,7 @@ prefix of the final text (also with multi-byte characters and with a tokenizer t
 cleans up spaces), and the work per step does not grow with the output's length.
 """
 
+import random
 import statistics
 import time
 
@@ -239,6 +240,23 @@ def test_a_character_completed_after_a_run_of_invalid_bytes_loses_no_text(tok, l
         _assert_prefixes(shown, want)
         stream = Detokenizer(tokenizer).stream()
         assert "".join([stream.push([t]) for t in ids] + [stream.flush()]) == want
+
+
+def test_random_byte_token_runs_stream_exactly_their_whole_decode(tok):
+    """Seeded random mixes of single-byte tokens (lone continuation bytes, lead bytes,
+    characters split over tokens, invalid runs) and ordinary tokens: the pieces streamed
+    together are the whole decode, on both backends."""
+    rng = random.Random(0)
+    byte_ids = [_byte_token(tok, b) for b in range(256)]
+    words = tok.encode(" hello world 日本語 café 🎉 and")
+    pools = [byte_ids, byte_ids[0x80:], byte_ids[0x80:] + words, words + byte_ids]
+    for _ in range(300):
+        pool = rng.choice(pools)
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 60))]
+        want = tok.decode(ids, skip_special_tokens=True)
+        for tokenizer in (tok, _NoBackend(tok)):
+            stream = Detokenizer(tokenizer).stream()
+            assert "".join([stream.push([t]) for t in ids] + [stream.flush()]) == want, ids
 
 
 def test_decode_stream_time_per_step_does_not_grow_with_output_length(tok):
