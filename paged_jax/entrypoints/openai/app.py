@@ -268,12 +268,12 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
         prompts = rm.completion_prompts(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
+        per_prompt = [rm.prompt_params(params, max_tokens=max_tokens, num_prompt_tokens=len(ids),
+                                       max_model_len=max_model_len, param="max_tokens") for ids in prompt_ids]
         transfer = kvt.mode(body, kv_connector, len(prompt_ids), params.n)
         kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids[0]) if transfer == "import" else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt),
-                               rm.prompt_params(params, max_tokens=max_tokens, num_prompt_tokens=len(ids),
-                                                max_model_len=max_model_len, param="max_tokens"),
+        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), per_prompt[i],
                                body.priority, kv_import=kv, kv_export=transfer == "export")
                  for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
@@ -298,12 +298,12 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
         messages = rm.chat_messages(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.chat_prompt_ids, messages, engine.tokenizer)
-        transfer = kvt.mode(body, kv_connector, 1, params.n)
-        kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids) if transfer == "import" else None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         params = rm.prompt_params(params, max_tokens=max_tokens, num_prompt_tokens=len(prompt_ids),
                                   max_model_len=max_model_len, param="max_tokens" if body.max_completion_tokens is None
                                   else "max_completion_tokens")
+        transfer = kvt.mode(body, kv_connector, 1, params.n)
+        kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids) if transfer == "import" else None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = [EngineRequest(f"{request_id}-0", rm.engine_prompt(prompt_ids, body.cache_salt), params,
                                body.priority, kv_import=kv, kv_export=transfer == "export")]
         builder = ResponseBuilder(chat=True, request_id=request_id, model=settings.served_model_name,
