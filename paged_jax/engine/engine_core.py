@@ -329,12 +329,12 @@ class EngineCore:
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
-        grammar_end = self.structured_outputs.accept(seq, token) if self.structured_outputs is not None else None
-        if grammar_end is SequenceStatus.FINISHED_ERROR:  # the matcher failed (logged): "error", never "stop"
-            status = grammar_end
-        elif token in request.stop_ids:
+        stop_token = token in request.stop_ids  # not fed to a grammar matcher (vLLM's way with EOS)
+        grammar_end = (self.structured_outputs.accept(seq, token)
+                       if self.structured_outputs is not None and not stop_token else None)
+        if stop_token:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif grammar_end is not None:  # the constraint admits nothing more (vLLM: stop)
+        elif grammar_end is not None:  # complete (vLLM: stop), or the matcher failed ("error", logged)
             status = grammar_end
         elif (len(seq.output_token_ids) >= request.params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):

@@ -14,10 +14,12 @@ tokens, which preemption never changes (recompute re-prefills them without sampl
 swap restores them), so it just waits; the n completions of a request are forked before
 their first token, so each starts a fresh matcher; prefix caching touches only the prompt.
 When the grammar is complete and admits nothing more, the completion stops ("stop"), as
-in vLLM. A matcher that fails (it refused a token its own mask allowed, or llguidance
-reported an internal error) ends its completion with finish reason "error", logged with
-llguidance's message, as vLLM v1's scheduler ends it with FINISHED_ERROR: a failure must
-never read as a normal stop (the server answers it with a 500).
+in vLLM; a stop token (EOS where the grammar allows it) ends the completion without
+reaching the matcher, as vLLM's EOS does. A matcher that fails (it refused a token that
+its own mask should have kept out, or llguidance reported an internal error) ends its
+completion with finish reason "error", logged with llguidance's message, as vLLM v1's
+scheduler ends it with FINISHED_ERROR: a failure must never read as a normal stop (the
+server answers it with a 500).
 
 Host-side and jax-free: `GrammarCompiler` wraps the library (built once per engine from
 its tokenizer, cached grammars), `StructuredOutputManager` is the engine core's per-step
