@@ -48,6 +48,8 @@ def refuse_bools(token_ids) -> None:
 def int_list(token_ids) -> list[int]:
     """`token_ids` as a new list of Python ints, `int()` of each (bools refused). A list or
     tuple of ints converts in one C pass (array "q"): every request's prompt passes here."""
+    if not isinstance(token_ids, (list, tuple, np.ndarray)):  # a generator is read once: keep what it gives
+        token_ids = list(token_ids)
     refuse_bools(token_ids)
     if isinstance(token_ids, (list, tuple)):
         try:

@@ -73,6 +73,7 @@ def test_the_core_path_refuses_bools_too(ids):
     with pytest.raises(ValueError, match="got the bool"):
         int_list(ids)
     assert int_list([5, np.int64(6)]) == [5, 6]
+    assert int_list(t for t in (5, 6)) == [5, 6]  # read once: the bool check must not use it up
 
 
 def test_text_needs_a_tokenizer():
