@@ -250,11 +250,11 @@ def bookkeeping(engine, loop=None) -> dict:
     out = {"core_requests": _size(core, "_requests"), "core_seqs": _size(core, "_seqs"),
            "block_tables": _size(bm, "_tables"), "block_token_counts": _size(bm, "_num_tokens"),
            "block_keys": _size(bm, "_keys"), "block_salts": _size(bm, "_salts"),
-           "block_changed": _size(bm, "_changed"), "swapped_seqs": _size(bm, "_swapped"),
+           "block_changed": _size(bm, "_changed"), "swapped_seqs": _size(bm, "_swap", "swapped"),
            "runner_rows": len(set(rows) - finished), "front_end_requests": _size(engine.output_processor, "_requests"),
            "running": len(sched.running), "waiting": len(sched.waiting), "swapped": sched.num_swapped,
            "blocks_not_free": bm.num_usable_blocks - bm.num_free_blocks,
-           "host_blocks_not_free": bm._host.num_usable_blocks - bm.num_free_host_blocks,
+           "host_blocks_not_free": bm.num_host_blocks - bm.num_free_host_blocks,
            "broken_invariants": len(broken_invariants(bm))}
     if loop is not None:
         out.update(loop_sinks=len(loop._sinks), loop_output_requests=_size(loop.output_processor, "_requests"))

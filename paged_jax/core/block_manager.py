@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from paged_jax.core.block_manager_invariants import broken_invariants
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock, check_int
-from paged_jax.core.block_swapping import SwappingMixin
+from paged_jax.core.block_swapping import SwapSpace
 from paged_jax.core.prefix_cache import BlockKey, check_salt, find_prefix, register_full_blocks
 
 
-class BlockManager(SwappingMixin):
+class BlockManager:
     """Per-sequence block tables over a device pool (with a null block 0) and a host pool.
 
     Invariants (see `check_invariants`): each sequence's table has exactly
@@ -38,6 +38,9 @@ class BlockManager(SwappingMixin):
     tables holding it; every non-null block is free xor referenced; the null block is in
     no table. Only a table's last block may be partly full, and a partly full block is
     written only by a sequence that holds it alone (copy-on-write).
+
+    Swapping is done by the SwapSpace it holds (`_swap`, block_swapping.py: the host pool
+    and the swapped ids); the swap methods hand it the tables and the device pool.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
@@ -54,13 +57,12 @@ class BlockManager(SwappingMixin):
         self.watermark = watermark
         self.enable_prefix_caching = enable_prefix_caching
         self._device = BlockPool(num_blocks, reserve_null_block=True)
-        self._host = BlockPool(num_host_blocks, reserve_null_block=False)
+        self._swap = SwapSpace(num_host_blocks)
         # Blocks to keep free when admitting new sequences or swapping in, so that the
         # running ones can keep growing for a while without preemption (vLLM's watermark).
         self.watermark_blocks = int(watermark * self.num_usable_blocks)
         self._tables: dict[int, list[KVCacheBlock]] = {}  # seq id -> block table
         self._num_tokens: dict[int, int] = {}  # seq id -> tokens with a slot
-        self._swapped: set[int] = set()  # seq ids whose tables refer to host blocks
         # seq id -> prefix-cache keys of its full blocks, in logical order (prefix caching)
         self._keys: dict[int, list[BlockKey]] = {}
         self._extra_keys: dict[int, tuple] = {}  # seq id -> extra keys of every block (e.g. an adapter)
@@ -80,7 +82,7 @@ class BlockManager(SwappingMixin):
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self._host.num_free_blocks
+        return self._swap.num_free_blocks
 
     def usage(self) -> float:
         """Fraction of usable device blocks held by some sequence."""
@@ -96,7 +98,7 @@ class BlockManager(SwappingMixin):
 
     def block_states(self) -> tuple[str, str]:
         """(device, host) pools' block states (BlockPool.block_states), for pictures."""
-        return self._device.block_states(), self._host.block_states()
+        return self._device.block_states(), self._swap.pool.block_states()
 
     @property
     def num_seqs_held(self) -> int:  # sequences with a block table (device or swapped)
@@ -104,7 +106,7 @@ class BlockManager(SwappingMixin):
 
     def is_swapped(self, seq_id: int) -> bool:
         self._require(seq_id)
-        return seq_id in self._swapped
+        return seq_id in self._swap.swapped
 
     def block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of the sequence, in logical order (host ids if swapped)."""
@@ -132,7 +134,7 @@ class BlockManager(SwappingMixin):
     def num_tokens_held(self) -> int:
         """Tokens stored in device blocks, counting each physical block once: every held
         block is full except a table's last one (shared only by forks, at the same fill)."""
-        bs, counts, swapped = self.block_size, self._num_tokens, self._swapped
+        bs, counts, swapped = self.block_size, self._num_tokens, self._swap.swapped
         fill: dict[int, int] = {}  # block id -> tokens in a partly full last block (the stats sample it every step)
         for seq_id, table in self._tables.items():
             r = counts[seq_id] % bs
@@ -233,7 +235,8 @@ class BlockManager(SwappingMixin):
         sequence, is a ValueError.
         """
         table = self._tables.get(seq_id)
-        if table is not None and not cached_blocks and type(num_total_tokens) is int and seq_id not in self._swapped:
+        if table is not None and not cached_blocks and type(num_total_tokens) is int \
+                and seq_id not in self._swap.swapped:
             # Fast path, most decode steps (the simulator runs millions): the tokens fit the
             # blocks the table has, and no copy-on-write is due (nothing new is written, or
             # the last block is full, or it is private). Same effect as the general path.
@@ -281,7 +284,7 @@ class BlockManager(SwappingMixin):
             if cache_salt is not None:
                 self._salts[seq_id] = cache_salt
         table = self._tables.get(seq_id, [])
-        if seq_id in self._swapped:
+        if seq_id in self._swap.swapped:
             raise ValueError(f"sequence {seq_id} is swapped out; swap it in before growing it")
         current = self._num_tokens.get(seq_id, 0)
         if num_total_tokens < current:
@@ -315,7 +318,7 @@ class BlockManager(SwappingMixin):
         copy-on-write in `allocate_slots`. The parent must be device-resident.
         """
         parent = self._require(parent_id)
-        if parent_id in self._swapped:
+        if parent_id in self._swap.swapped:
             raise ValueError(f"cannot fork sequence {parent_id}: it is swapped out")
         if child_id in self._tables:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
@@ -334,12 +337,47 @@ class BlockManager(SwappingMixin):
         """Drop the sequence's references (device or host side) and forget it. Blocks go to the free queue
         last block first: tail blocks, the least likely to be shared as a prefix, are reused first."""
         table = self._require(seq_id)
-        pool = self._host if seq_id in self._swapped else self._device
+        pool = self._swap.pool if seq_id in self._swap.swapped else self._device
         pool.free_blocks(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
-        self._swapped.discard(seq_id)
+        self._swap.swapped.discard(seq_id)
         for per_seq in (self._keys, self._extra_keys, self._salts, self._changed):
             per_seq.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        """Whether the host pool can take a copy of every distinct block of the group."""
+        return len(self._swap.group_blocks(self._tables, seq_ids, swapped=False)) <= self._swap.num_free_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a group's tables to host blocks; return `(device_id, host_id)` copy orders.
+
+        Each distinct device block gets one host block, so sharing inside the group
+        survives. A device block also held outside the group stays on the device with
+        the outsiders' references; otherwise it becomes free. Raises ValueError (and
+        changes nothing) if the host pool is too small: check `can_swap_out` first.
+        """
+        return self._moved(seq_ids, self._swap.move(self._tables, seq_ids, self._device, to_host=True))
+
+    def num_swap_in_blocks(self, seq_ids: list[int]) -> int:
+        """Device blocks a swapped group takes back: its distinct host blocks."""
+        return len(self._swap.group_blocks(self._tables, seq_ids, swapped=True))
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        """Whether the device can take the group back, leaving the watermark free."""
+        return self.num_free_blocks - self.num_swap_in_blocks(seq_ids) >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move a swapped group back to device blocks; return `(host_id, device_id)` orders:
+        the inverse of `swap_out`. Raises ValueError, changing nothing, if fewer device
+        blocks are free than the group's distinct blocks (the watermark is can_swap_in's)."""
+        return self._moved(seq_ids, self._swap.move(self._tables, seq_ids, self._device, to_host=False))
+
+    def _moved(self, seq_ids: list[int], orders: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        for seq_id in seq_ids:  # rebuilt tables: a runner takes them whole (table_update's k = 0)
+            self._mark(seq_id, 0)
+        return orders
 
     # ------------------------------------------------------------------ checks
 
@@ -350,7 +388,8 @@ class BlockManager(SwappingMixin):
             raise KeyError(f"unknown sequence id {seq_id!r}") from None
 
     def _device_tables(self):
-        return ((s, t) for s, t in self._tables.items() if s not in self._swapped)
+        swapped = self._swap.swapped
+        return ((s, t) for s, t in self._tables.items() if s not in swapped)
 
     def check_invariants(self) -> None:
         """Raise AssertionError listing every broken invariant (see the class docstring)."""

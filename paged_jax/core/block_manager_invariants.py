@@ -13,15 +13,16 @@ def broken_invariants(bm) -> list[str]:
     side's pool (never the null block), and each block's ref_count is the number of tables
     holding it."""
     problems = [f"device pool: {p}" for p in bm._device.check_invariants()]
-    problems += [f"host pool: {p}" for p in bm._host.check_invariants()]
-    if not bm._swapped <= bm._tables.keys():
-        problems.append(f"swapped ids {bm._swapped - bm._tables.keys()} have no table")
+    host, swapped = bm._swap.pool, bm._swap.swapped
+    problems += [f"host pool: {p}" for p in host.check_invariants()]
+    if not swapped <= bm._tables.keys():
+        problems.append(f"swapped ids {swapped - bm._tables.keys()} have no table")
     if bm._tables.keys() != bm._num_tokens.keys():
         problems.append("block tables and token counts name different sequences")
-    for side, pool in (("device", bm._device), ("host", bm._host)):
+    for side, pool in (("device", bm._device), ("host", host)):
         holders = {id(b): 0 for b in pool.blocks}  # id(block) -> tables holding it
         for seq_id, table in bm._tables.items():
-            if (seq_id in bm._swapped) != (side == "host"):
+            if (seq_id in swapped) != (side == "host"):
                 continue
             needed = bm.num_blocks_needed(bm._num_tokens.get(seq_id, 0))
             if len(table) != needed:

@@ -24,7 +24,7 @@ class CompletionOutput:
     index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" (an internal failure), or None while running
     logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     # sum of the chosen tokens' logprobs (None unless logprobs were asked for, as in vLLM)

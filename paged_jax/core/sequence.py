@@ -20,6 +20,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # hit a stop token or string
     FINISHED_LENGTH = "length"  # hit max_tokens or max_model_len
     FINISHED_ABORTED = "abort"  # aborted by the caller
+    FINISHED_ERROR = "error"  # an internal failure ended it (a grammar matcher's error), as vLLM's "error"
 
     @property
     def finished(self) -> bool:
@@ -27,7 +28,7 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED_VALUES = frozenset({SequenceStatus.FINISHED_STOPPED.value, SequenceStatus.FINISHED_LENGTH.value,
-                              SequenceStatus.FINISHED_ABORTED.value})
+                              SequenceStatus.FINISHED_ABORTED.value, SequenceStatus.FINISHED_ERROR.value})
 
 
 @dataclasses.dataclass(eq=False)

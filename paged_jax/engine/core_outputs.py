@@ -22,7 +22,7 @@ class CompletionDelta:
     new_logprobs: list[float] | None
     new_top_logprobs: list[list[tuple[int, float]]] | None  # per new token, when the request asked for them
     cumulative_logprob: float | None  # over all the completion's tokens so far; None as new_logprobs
-    finish_reason: str | None  # "stop" (a stop token), "length", or None while it runs
+    finish_reason: str | None  # "stop" (a stop token), "length", "error" (a matcher failed), None: running
     stop_reason: int | None = None  # the stop token that ended it
     score: float | None = None  # beam search: the hypothesis' ranking score
 

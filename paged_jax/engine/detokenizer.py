@@ -9,9 +9,15 @@ same window algorithm over `tokenizer.decode`. Both keep the same window (`_pref
 .. `_read`: the tokens of the last text returned, then those not yet returned), so a
 stream whose DecodeStream raises continues on the fallback where it stood. The window
 stays short also when tokens never complete a character (invalid UTF-8, which a
-random-weight model emits): after _MAX_PENDING such tokens their text is taken as it
-stands, U+FFFD included, and the stream continues on the window algorithm (a
-DecodeStream cannot be moved past text it did not return).
+random-weight model emits): after _MAX_PENDING such tokens the text of all but the last
+_SEALING tokens is taken as it stands, U+FFFD included, and the stream continues on the
+window algorithm (a DecodeStream cannot be moved past text it did not return).
+
+Text is returned only where it is final: a longer decode extends it (vLLM's
+prefix_offset/read_offset rule). A window whose decode does not extend the text already
+returned from it (a character completed across the cut, a decoder that rewrites earlier
+text) returns nothing and waits; text is never dropped for it, so the concatenation of a
+stream's pieces is the whole decode of its tokens.
 
 Some tokenizers' `decode` also "cleans up tokenization spaces" (" ." -> ".", " 's" ->
 "'s", ...; transformers' `clean_up_tokenization`), which rewrites text already produced
@@ -41,6 +47,11 @@ _CLEANUP_PROBE = "a . b , c ! d ? e 's f n't"
 # model's byte tokens), and waiting would only grow the window. (Should its last bytes
 # start a character that later tokens complete, that character shows as U+FFFD.)
 _MAX_PENDING = 16
+# Tokens kept back when text is taken as it stands: a character is at most 4 bytes and
+# a token at least 1, so a character begun before the last 3 tokens has met its fate (it
+# is complete, or broken and shown as U+FFFD) by the end of the window. Text up to
+# there that the whole window's decode extends is final.
+_SEALING = 3
 
 
 def clean_up_spaces(text: str) -> str:
@@ -118,14 +129,14 @@ class IncrementalDetokenizer:
         for token in token_ids:
             self._ids.append(int(token))
             text = self._step(int(token))
-            forced = text is None and len(self._ids) - self._read >= _MAX_PENDING
-            if forced:  # not a character cut short: invalid bytes, shown as U+FFFD as a whole decode shows them
-                text = self._pending_text()
-                self._stream = None  # a DecodeStream cannot be moved on from outside: the window continues
-            if text is not None:
-                self._prefix_start, self._read = self._read, len(self._ids)
-                if self._stream is None:
-                    self._prefix_text = self._decode(self._ids[self._prefix_start:])
+            if text is None and len(self._ids) - self._read >= _MAX_PENDING:
+                # not a character cut short: invalid bytes, shown as U+FFFD as a whole decode shows them
+                if self._stream is not None:  # a DecodeStream cannot be moved on from outside: the window continues
+                    self._stream = None
+                    self._prefix_text = self._decode(self._ids[self._prefix_start:self._read])
+                out.append(self._commit_sealed())
+            elif text is not None:
+                self._commit(len(self._ids))
                 out.append(text)
         raw = "".join(out)
         return self._cleanup.push(raw) if self._cleanup is not None else raw
@@ -141,11 +152,37 @@ class IncrementalDetokenizer:
             return self._cleanup.push(tail) + self._cleanup.flush()
         return tail
 
+    def _commit(self, read: int) -> None:
+        """Tokens before `read` have had their text returned; the window's context moves on."""
+        self._prefix_start, self._read = self._read, read
+        if self._stream is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_start:read])
+
+    def _commit_sealed(self) -> str:
+        """A long run without a complete character: return the text of the pending tokens
+        but the last _SEALING, where it is final (the whole window's decode extends it and
+        it extends the text already returned); else nothing yet."""
+        window = self._ids[self._prefix_start:]
+        full = self._decode(window)
+        for cut in range(len(self._ids) - _SEALING, max(self._read, len(self._ids) - _MAX_PENDING), -1):
+            text = self._decode(window[:cut - self._prefix_start])
+            if text.startswith(self._prefix_text) and full.startswith(text):
+                new = text[len(self._prefix_text):]
+                self._commit(cut)
+                return new
+        return ""
+
     def _pending_text(self) -> str:
-        """The text tokens [_read, end) add after the window's earlier tokens, as it stands."""
+        """The text tokens [_read, end) add after the window's earlier tokens, as it stands.
+        Should the window's decode not extend the text already returned from it (a decoder
+        that rewrites earlier text), it is the part after what the two have in common: no
+        text of the whole decode is lost."""
         prefix = self._prefix_text if self._stream is None else self._decode(self._ids[self._prefix_start:self._read])
         full = self._decode(self._ids[self._prefix_start:])
-        return full[len(prefix):] if full.startswith(prefix) else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+        return full[common:]
 
     def _step(self, token: int) -> str | None:
         if self._stream is not None:

@@ -33,7 +33,7 @@ from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
 from paged_jax.engine.kv_transfer import PromptKV, export_prompt_kv, import_prompt_kv
 from paged_jax.engine.pool_check import PoolChecker
-from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_prompt_token_ids
+from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_max_tokens, validate_prompt_token_ids
 from paged_jax.engine.grammar_matchers import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
@@ -151,6 +151,7 @@ class EngineCore:
         else:  # plain ids, or checked against another engine's limits
             token_ids = int_list(prompt_token_ids if processed is None else processed.token_ids)
             validate_prompt_token_ids(token_ids, *self._prompt_limits)
+        validate_max_tokens(len(token_ids), params.max_tokens, self.config.max_model_len)  # no silent clamp
         now = self._clock() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
             request = self._beam_request(request_id, token_ids, params, now, cache_salt)
@@ -335,11 +336,13 @@ class EngineCore:
         if request.params.logprobs:
             top = [list(zip(result.top_ids[row].tolist(), result.top_logprobs[row].tolist()))[: request.params.logprobs]]
         status = None
-        grammar_done = self.structured_outputs is not None and self.structured_outputs.accept(seq, token)
-        if token in request.stop_ids:
+        stop_token = token in request.stop_ids  # not fed to a grammar matcher (vLLM's way with EOS)
+        grammar_end = (self.structured_outputs.accept(seq, token)
+                       if self.structured_outputs is not None and not stop_token else None)
+        if stop_token:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif grammar_done:  # the constraint admits nothing more (vLLM: stop)
-            status = SequenceStatus.FINISHED_STOPPED
+        elif grammar_end is not None:  # complete (vLLM: stop), or the matcher failed ("error", logged)
+            status = grammar_end
         elif (len(seq.output_token_ids) >= request.params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH

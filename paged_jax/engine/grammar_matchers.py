@@ -14,7 +14,12 @@ tokens, which preemption never changes (recompute re-prefills them without sampl
 swap restores them), so it just waits; the n completions of a request are forked before
 their first token, so each starts a fresh matcher; prefix caching touches only the prompt.
 When the grammar is complete and admits nothing more, the completion stops ("stop"), as
-in vLLM.
+in vLLM; a stop token (EOS where the grammar allows it) ends the completion without
+reaching the matcher, as vLLM's EOS does. A matcher that fails (it refused a token that
+its own mask should have kept out, or llguidance reported an internal error) ends its
+completion with finish reason "error", logged with llguidance's message, as vLLM v1's
+scheduler ends it with FINISHED_ERROR: a failure must never read as a normal stop (the
+server answers it with a 500).
 
 Host-side and jax-free: `GrammarCompiler` wraps the library (built once per engine from
 its tokenizer, cached grammars), `StructuredOutputManager` is the engine core's per-step
@@ -25,12 +30,15 @@ bookkeeping. A schema or grammar the library refuses is a ValueError with its me
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import numpy as np
 
-from paged_jax.core.sequence import Sequence
+from paged_jax.core.sequence import Sequence, SequenceStatus
 from paged_jax.core.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarCompiler:
@@ -123,18 +131,19 @@ class StructuredOutputManager:
         import llguidance
         return llguidance.LLExecutor(num_threads=max(1, os.cpu_count() or 1))
 
-    def accept(self, seq: Sequence, token: int) -> bool:
-        """Advance `seq`'s matcher by its sampled token; True when the grammar is complete
-        (nothing more may follow) or the matcher failed: the completion stops there."""
+    def accept(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """Advance `seq`'s matcher by its sampled token. FINISHED_STOPPED: the grammar is
+        complete (nothing more may follow); FINISHED_ERROR: the matcher failed (logged here
+        with llguidance's message); None: the completion goes on (or has no constraint)."""
         matcher = self._matchers.get(seq.seq_id)
         if matcher is None:
-            return False
-        matcher.consume_token(token)
-        return matcher.is_stopped() or matcher.is_error()
+            return None
+        if not matcher.consume_token(token) or matcher.is_error():
+            logger.error("the grammar matcher of request %s (completion %d) failed at token %d: %s; the "
+                         "completion ends with finish reason 'error'", seq.request_id, seq.index, token,
+                         matcher.get_error() or "the token was refused")
+            return SequenceStatus.FINISHED_ERROR
+        return SequenceStatus.FINISHED_STOPPED if matcher.is_stopped() else None
 
     def drop(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
-
-    @property
-    def num_matchers(self) -> int:
-        return len(self._matchers)

@@ -4,8 +4,9 @@ A prompt is text, a list of token ids, {"prompt_token_ids": [...]} or {"prompt":
 either dict may add "cache_salt" (requests with different salts never share prefix-cache
 blocks). Everything is checked here, before the engine core queues anything, so a bad
 prompt is a ValueError for its caller and never a failure inside a step. The token-id
-checks are a plain function because the core repeats them for callers that hand it ids
-directly.
+checks are plain functions because the core repeats them for callers that hand it ids
+directly, and the core checks a request's max_tokens against its prompt here too
+(`validate_max_tokens`), since the prompt's length is known only once it is tokenized.
 """
 
 from __future__ import annotations
@@ -27,9 +28,29 @@ class ProcessedPrompt:
     checked: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
 
 
+def refuse_bools(token_ids) -> None:
+    """ValueError if a token id is a bool. `True` is an int in Python (and array "q" and
+    int() take it as 1), so without this check `[True, 5]` would be the prompt [1, 5]: a
+    bool where a token id belongs is a caller's mistake. C passes only (`map(type)`, a
+    dtype check): every request's prompt passes here."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is not None:
+        is_bool = dtype.kind == "b"
+    else:
+        types = set(map(type, token_ids))
+        is_bool = bool in types or np.bool_ in types
+    if is_bool:
+        index = next(i for i, t in enumerate(token_ids) if isinstance(t, (bool, np.bool_)))
+        raise ValueError(f"token ids must be ints, got the bool {token_ids[index]!r} at index {index} "
+                         "(True and False are not token ids)")
+
+
 def int_list(token_ids) -> list[int]:
-    """`token_ids` as a new list of Python ints, `int()` of each. A list or tuple of ints
-    converts in one C pass (array "q"): every request's prompt passes here."""
+    """`token_ids` as a new list of Python ints, `int()` of each (bools refused). A list or
+    tuple of ints converts in one C pass (array "q"): every request's prompt passes here."""
+    if not isinstance(token_ids, (list, tuple, np.ndarray)):  # a generator is read once: keep what it gives
+        token_ids = list(token_ids)
+    refuse_bools(token_ids)
     if isinstance(token_ids, (list, tuple)):
         try:
             return array("q", token_ids).tolist()
@@ -48,6 +69,18 @@ def validate_prompt_token_ids(token_ids: Seq[int], max_model_len: int, vocab_siz
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # C loops: a prompt is checked at every request
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def validate_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The prompt and the tokens asked for must fit the context: ValueError (the server's
+    400, with vLLM's wording) when prompt + max_tokens exceeds max_model_len, rather than
+    cutting the completion short unasked. A request that did not say its max_tokens gets
+    the context its prompt leaves (the server's default) and passes."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                         f"in the completion: max_tokens={max_tokens}). Please reduce the length of the prompt or "
+                         f"max_tokens (at most {max_model_len - num_prompt_tokens} with this prompt).")
 
 
 class Processor:
@@ -94,6 +127,8 @@ class Processor:
             except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise TypeError
                 raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at index {exc.start}") from exc
             return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            refuse_bools(prompt)
         if isinstance(prompt, (list, tuple)) and prompt:
             try:  # one C pass for the common case, plain ints (non-ints and ints past int64 raise)
                 return None, array("q", prompt).tolist()

@@ -9,11 +9,12 @@ import pytest
 
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from paged_jax.core.block_swapping import SwapSpace
 
 
 def ref_counts(bm, seq_id):
     """Device-side (or host-side, if swapped) ref_count of each block in the table."""
-    pool = bm._host if bm.is_swapped(seq_id) else bm._device
+    pool = bm._swap.pool if bm.is_swapped(seq_id) else bm._device
     return [pool.blocks[i].ref_count for i in bm.block_table(seq_id)]
 
 
@@ -290,6 +291,27 @@ def test_swap_of_part_of_a_sharing_group_keeps_outsiders_blocks():
     bm.check_invariants()
 
 
+def test_a_swap_space_works_alone_on_tables_and_a_device_pool_it_is_handed():
+    """SwapSpace (the part BlockManager holds) owns only the host pool and the swapped ids:
+    given a device pool and tables, it moves a group that shares a block to the host and
+    back, one copy per distinct block, the shared one keeping its two references."""
+    device, swap = BlockPool(5), SwapSpace(3)
+    a, b, c = device.get_new_blocks(3)  # ids 1, 2, 3
+    device.incr_ref([a])
+    tables = {7: [a, b], 8: [a, c]}  # block 1 shared by both
+    assert swap.move(tables, [7, 8], device, to_host=True) == [(1, 0), (2, 1), (3, 2)]
+    assert swap.swapped == {7, 8} and device.num_free_blocks == 4 and swap.num_free_blocks == 0
+    assert [[blk.block_id for blk in tables[s]] for s in (7, 8)] == [[0, 1], [0, 2]]
+    assert tables[7][0] is tables[8][0] and tables[7][0].ref_count == 2
+    with pytest.raises(ValueError, match="swapped out; cannot swap it that way"):
+        swap.group_blocks(tables, [7], swapped=False)
+    orders = swap.move(tables, [7, 8], device, to_host=False)
+    assert [src for src, _ in orders] == [0, 1, 2] and not swap.swapped and swap.num_free_blocks == 3
+    assert tables[7][0] is tables[8][0] and tables[7][0].ref_count == 2 and device.num_free_blocks == 1
+    with pytest.raises(KeyError, match="unknown sequence id 9"):
+        swap.group_blocks(tables, [9], swapped=False)
+
+
 # --------------------------------------------------------------------------- check_invariants
 
 
@@ -299,7 +321,7 @@ def _corrupt_ref_count(bm):
 
 def _corrupt_host_ref_count(bm):
     bm.swap_out([1, 2])
-    bm._host.blocks[0].ref_count = 1  # two swapped tables hold it
+    bm._swap.pool.blocks[0].ref_count = 1  # two swapped tables hold it
 
 
 def _corrupt_cycle(bm):  # free queue 3, 4 becomes 3 -> 4 -> 3 ...

@@ -225,7 +225,8 @@ def test_mixed_load_keeps_the_rule_at_every_step(mode, chunked):
         if i % 5 == 4:
             params = BeamSearchParams(beam_width=2, max_tokens=rng.randint(2, 8), ignore_eos=True)
         else:
-            params = greedy(rng.randint(4, 14), n=rng.choice([1, 1, 2, 3]))
+            # within the context left (max_model_len 20): more is refused (processor.validate_max_tokens)
+            params = greedy(min(rng.randint(4, 14), 20 - len(prompt)), n=rng.choice([1, 1, 2, 3]))
         step = rng.randint(0, 8)
         requests.append((rid, prompt, params, priorities[rid], step, float(step)))
     config = _config(block_size=2, num_blocks=32, max_model_len=20, max_num_seqs=6, max_num_batched_tokens=20,

@@ -83,7 +83,7 @@ def test_group_swapped_at_its_fork_point_forks_when_it_returns():
     fork at once, or that step schedules nothing and the engine stops."""
     config = _config(block_size=2, num_blocks=5, max_model_len=8, preemption_mode="swap", watermark=0.0,
                      swap_blocks=16)
-    requests = [Req((5,) * 5, greedy(8)), Req((7,) * 2, greedy(1, n=2), arrival_step=1)]
+    requests = [Req((5,) * 5, greedy(3)), Req((7,) * 2, greedy(1, n=2), arrival_step=1)]
     finished, refused, engine = serve(config, requests, check=_invariants)
     assert not refused
     _check_all_finished(config, requests, finished, refused)
@@ -102,10 +102,10 @@ def test_a_step_that_preempts_its_only_schedulable_sequence_still_admits():
     config = _config(block_size=3, num_blocks=7, max_model_len=9, watermark=0.0, max_num_seqs=4,
                      max_num_batched_tokens=9, enable_chunked_prefill=False, preemption_mode="swap",
                      enable_prefix_caching=False, kv_allocator="paged", swap_blocks=1)
-    beams = BeamSearchParams(beam_width=2, max_tokens=9, ignore_eos=True)
-    requests = [Req((3,), greedy(9, n=2), arrival_step=3), Req((3,), greedy(9), arrival_step=3),
-                Req((3,), greedy(9), arrival_step=3), Req((3,), beams, arrival_step=1),
-                Req((3,), greedy(9), arrival_step=3), Req((3,), greedy(9), arrival_step=0)]
+    beams = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    requests = [Req((3,), greedy(8, n=2), arrival_step=3), Req((3,), greedy(8), arrival_step=3),
+                Req((3,), greedy(8), arrival_step=3), Req((3,), beams, arrival_step=1),
+                Req((3,), greedy(8), arrival_step=3), Req((3,), greedy(8), arrival_step=0)]
     finished, refused, engine = serve(config, requests, max_steps=5000, check=_invariants)
     assert not refused
     _check_all_finished(config, requests, finished, refused)
@@ -121,8 +121,8 @@ def test_a_request_s_sequences_are_never_preempted_apart():
     config = _config(block_size=2, num_blocks=7, max_model_len=4, watermark=0.0, max_num_seqs=4,
                      max_num_batched_tokens=4, enable_chunked_prefill=False, preemption_mode="swap",
                      enable_prefix_caching=False, kv_allocator="paged", swap_blocks=6)
-    requests = [Req((3,), greedy(4)), Req((3,), BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)),
-                Req((3,), greedy(4, n=3))]
+    requests = [Req((3,), greedy(3)), Req((3,), BeamSearchParams(beam_width=3, max_tokens=3, ignore_eos=True)),
+                Req((3,), greedy(3, n=3))]
     split = []
 
     def check(engine):
@@ -148,6 +148,7 @@ def test_two_request_grid_finishes():
             continue
         config = _config(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                          preemption_mode=mode, enable_prefix_caching=caching, watermark=0.0, swap_blocks=16)
+        max_a, max_b = min(max_a, max_model_len - len_a), min(max_b, max_model_len - len_b)  # else refused
         requests = [Req((5,) * len_b, greedy(max_b)), Req((7,) * len_a, greedy(max_a, n=n), arrival_step=arrival)]
         try:
             finished, refused, _ = serve(config, requests, max_steps=500, check=_invariants)
@@ -170,7 +171,7 @@ def test_whole_prefill_needs_a_budget_of_max_model_len():
                       max_num_batched_tokens=8, max_num_seqs=2), [Req((3,) * 12, greedy(4))])
     config = _config(block_size=4, num_blocks=9, max_model_len=8, enable_chunked_prefill=False,
                      max_num_batched_tokens=8, max_num_seqs=2)
-    finished, refused, _ = serve(config, [Req((3,) * 7, greedy(4))])
+    finished, refused, _ = serve(config, [Req((3,) * 7, greedy(1))])
     assert not refused and len(finished["0"].outputs[0].token_ids) == 1
 
 
@@ -207,7 +208,8 @@ def _scenario(draw, allocators=ALLOCATORS):
         length = draw(st.one_of(st.integers(1, min(3, max_model_len - 1)), st.integers(1, max_model_len - 1)))
         tail = draw(st.lists(st.integers(3, 6), min_size=length, max_size=length))
         prompt = (tuple(base) + tuple(tail))[:length]
-        max_tokens = draw(st.one_of(st.just(max_model_len), st.integers(1, max_model_len)))  # often the longest
+        room = max_model_len - length  # prompt + max_tokens > max_model_len is refused (processor.validate_max_tokens)
+        max_tokens = draw(st.one_of(st.just(room), st.integers(1, room)))  # often the longest
         kind = draw(st.sampled_from(["n1", "n", "beam"])) if paged else "n1"
         if kind == "beam":
             params = BeamSearchParams(beam_width=draw(st.integers(1, 3)), max_tokens=max_tokens, ignore_eos=True)

@@ -158,8 +158,13 @@ def test_top_logprobs_match_the_reference_in_a_batch_where_only_one_request_asks
         np.testing.assert_allclose([lp for _, lp in top], row[want], atol=1e-4)
 
 
-def test_max_model_len_ends_a_sequence(llm):
-    [out] = llm.generate(_ids(list(range(3, 63))), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+def test_a_sequence_may_fill_max_model_len_and_not_more(llm):
+    """60 prompt tokens + 4 == max_model_len 64: runs to the end of the context; asking for
+    50 is refused (it used to be cut to 4, silently)."""
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens.*110 tokens"):
+        llm.generate(_ids(list(range(3, 63))), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                     use_tqdm=False)
+    [out] = llm.generate(_ids(list(range(3, 63))), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"  # 60 + 4 = 64
     _idle_and_clean(llm)

@@ -8,6 +8,7 @@ prefix of the final text (also with multi-byte characters and with a tokenizer t
 cleans up spaces), and the work per step does not grow with the output's length.
 """
 
+import random
 import statistics
 import time
 
@@ -17,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
+from paged_jax.engine.detokenizer import Detokenizer
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.stop_strings import earliest_stop, partial_stop_len
 from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
@@ -212,6 +214,49 @@ def test_a_run_of_invalid_bytes_keeps_the_window_short(tok):
         _assert_prefixes(shown, want)
     per_step = _decoded_per_step(tok, ids)
     assert max(per_step) <= 100, max(per_step)  # waiting for a complete character would reach 200 and more
+
+
+def _byte_token(tok, byte: int) -> int:
+    """The id of the byte-level BPE token of one byte (GPT-2's byte-to-unicode map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    unprintable = [b for b in range(256) if b not in printable]
+    char = chr(byte) if byte in printable else chr(256 + unprintable.index(byte))
+    return tok.convert_tokens_to_ids(char)
+
+
+@pytest.mark.parametrize("lead", [15, 14, 31, 200])
+def test_a_character_completed_after_a_run_of_invalid_bytes_loses_no_text(tok, lead):
+    """A run of lone continuation bytes long enough that its text is taken as it stands,
+    then a character whose 3 bytes come as 3 tokens: the decode of the run's prefix ends
+    with U+FFFD where the longer decode has the character (not prefix-stable). Every piece
+    streamed together must be the whole decode: nothing lost, nothing repeated."""
+    bad = _byte_token(tok, 0x80)
+    ids = tok.encode("Hi") + [bad] * lead + [_byte_token(tok, b) for b in "中".encode()] + tok.encode(" and more text")
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert want.endswith("\ufffd中 and more text")  # the tokens are what this test means them to be
+    for tokenizer in (tok, _NoBackend(tok)):
+        shown, out, _ = _feed(tokenizer, ids)
+        assert out.outputs[0].text == want
+        _assert_prefixes(shown, want)
+        stream = Detokenizer(tokenizer).stream()
+        assert "".join([stream.push([t]) for t in ids] + [stream.flush()]) == want
+
+
+def test_random_byte_token_runs_stream_exactly_their_whole_decode(tok):
+    """Seeded random mixes of single-byte tokens (lone continuation bytes, lead bytes,
+    characters split over tokens, invalid runs) and ordinary tokens: the pieces streamed
+    together are the whole decode, on both backends."""
+    rng = random.Random(0)
+    byte_ids = [_byte_token(tok, b) for b in range(256)]
+    words = tok.encode(" hello world 日本語 café 🎉 and")
+    pools = [byte_ids, byte_ids[0x80:], byte_ids[0x80:] + words, words + byte_ids]
+    for _ in range(300):
+        pool = rng.choice(pools)
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 60))]
+        want = tok.decode(ids, skip_special_tokens=True)
+        for tokenizer in (tok, _NoBackend(tok)):
+            stream = Detokenizer(tokenizer).stream()
+            assert "".join([stream.push([t]) for t in ids] + [stream.flush()]) == want, ids
 
 
 def test_decode_stream_time_per_step_does_not_grow_with_output_length(tok):

@@ -67,7 +67,7 @@ def _leak_one_block(monkeypatch):
     def free(self, seq_id):
         if not leaked:
             block = self._tables[seq_id][0]
-            (self._host if seq_id in self._swapped else self._device).incr_ref([block])
+            (self._swap.pool if seq_id in self._swap.swapped else self._device).incr_ref([block])
             leaked.append(block.block_id)
         original(self, seq_id)
 

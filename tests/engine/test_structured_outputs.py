@@ -9,12 +9,15 @@ arbitrary tokens, so a constraint that holds on its outputs holds because of the
 """
 
 import json
+import logging
 import re
 
+import numpy as np
 import pytest
 
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.structured_outputs import StructuredOutputsParams
+from paged_jax.engine.grammar_matchers import StructuredOutputManager
 from paged_jax.entrypoints.llm import LLM
 from paged_jax.loading import load_model
 from tests.helpers.tiny_smollm2_vocab import save_tiny_smollm2_vocab
@@ -120,6 +123,32 @@ def test_greedy_choice_and_a_finished_grammar_stops(model_dir):
     [out] = llm.generate(["Colour:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                                      structured_outputs=CASES["choice"][0]), use_tqdm=False)
     assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop"
+
+
+def test_a_failed_matcher_ends_its_completion_as_an_error_not_a_stop(model_dir, monkeypatch, caplog):
+    """Matchers forced into their error state: each step's mask is computed (the matchers
+    exist and follow the completions) but not applied, as by a runner that failed to apply
+    it, so the random model samples tokens the choice refuses. Such a completion must end
+    with finish reason "error" (logged with llguidance's message), never as a normal
+    "stop" that a client would take for a finished answer; its matcher is dropped."""
+    compute = StructuredOutputManager.bitmask
+
+    def computed_but_not_applied(self, chunks, seqs):
+        mask = compute(self, chunks, seqs)
+        return None if mask is None else np.full_like(mask, -1)
+
+    monkeypatch.setattr(StructuredOutputManager, "bitmask", computed_but_not_applied)
+    llm = _llm(model_dir)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=30, ignore_eos=True,
+                            structured_outputs=CASES["choice"][0])
+    with caplog.at_level(logging.ERROR, logger="paged_jax.engine.grammar_matchers"):
+        [out] = llm.generate(["Colour:"], params, use_tqdm=False)
+    assert [c.finish_reason for c in out.outputs] == ["error", "error"], [c.text for c in out.outputs]
+    assert all(c.text not in CHOICES for c in out.outputs)
+    assert sum("grammar matcher" in r.getMessage() for r in caplog.records) == 2
+    assert llm.engine.core.structured_outputs.num_matchers == 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
 
 
 def test_invalid_constraints_are_refused_before_queueing(model_dir):

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import pydantic
 import pytest
 from absl import flags
 
@@ -11,6 +12,9 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.entrypoints.openai.errors import validation_message
+from paged_jax.entrypoints.openai.json_body import parse_json_body
+from paged_jax.entrypoints.openai.protocol import CompletionRequest
 from paged_jax.entrypoints.openai.responses import ResponseBuilder, chat_logprobs, completion_logprobs
 from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
 
@@ -109,3 +113,17 @@ def test_logprobs_bodies():
     assert [(e.token, e.logprob, e.bytes) for e in chat] == [("a", -0.5, [97]), ("bc", -1.5, [98, 99])]
     assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in chat] == [[("d", -0.1)], [("bc", -1.5)]]
     assert [e.top_logprobs for e in chat_logprobs(text, [5], [-0.5], None, 0).content] == [[]]
+
+
+@pytest.mark.parametrize("prompt", ["[true, 5]", "[[5, 6], [false]]"])
+def test_bools_in_token_id_prompts_are_refused_not_coerced(prompt):
+    """JSON true is not a token id: the strict request model refuses it (parse_body's 400
+    naming the field) rather than coercing it to 1; the engine's own check is
+    tests/engine/test_processor.py's."""
+    data = parse_json_body(f'{{"model": "m", "prompt": {prompt}, "max_tokens": 2}}'.encode())
+    with pytest.raises(pydantic.ValidationError) as caught:
+        CompletionRequest.model_validate(data)
+    errors = caught.value.errors()
+    assert validation_message(errors)[1] == "prompt"
+    assert any(e["type"] == "int_type" and type(e["input"]) is bool for e in errors)  # refused as not an int
+    assert CompletionRequest.model_validate({**data, "prompt": [1, 5]}).prompt == [1, 5]

@@ -65,7 +65,8 @@ def _trace(shared_prefix: bool, one_token_outputs: bool = False, priorities: boo
     if shared_prefix:  # 3 system prompts of 12 tokens before each prompt: hits, and evictions under pressure
         rng = np.random.default_rng(1)
         systems = [list(rng.integers(4, 256, 12)) for _ in range(3)]
-        trace = [dataclasses.replace(r, prompt_token_ids=[int(t) for t in systems[i % 3]] + list(r.prompt_token_ids))
+        trace = [dataclasses.replace(r, prompt_token_ids=[int(t) for t in systems[i % 3]] + list(r.prompt_token_ids),
+                                     max_tokens=min(r.max_tokens, 96 - 12 - len(r.prompt_token_ids)))  # fits
                  for i, r in enumerate(trace)]
     return trace
 

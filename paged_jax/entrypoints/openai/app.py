@@ -49,8 +49,8 @@ from paged_jax.entrypoints.openai import tokenize_routes
 from paged_jax.entrypoints.openai.dashboard import DashboardFeed, register_dashboard_routes
 from paged_jax.entrypoints.openai.engine_loop import (EngineDead, EngineLoop, EngineRequest, EngineUnavailable,
                                                      QueueFull, RequestAborted)
-from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, install_error_handlers,
-                                                 server_busy, unavailable, validation_message)
+from paged_jax.entrypoints.openai.errors import (APIError, bad_request, engine_dead, generation_error,
+                                                 install_error_handlers, server_busy, unavailable, validation_message)
 from paged_jax.entrypoints.openai.http_guards import HTTPGuards
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.metrics import RequestRecorder, ServerMetrics
@@ -178,6 +178,9 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
                 if stream.aborted or not stream.finished:
                     stream.abort()
                     recorder.abort()
+            failed = next(filter(None, (generation_error(finals[r.request_id]) for r in group)), None)
+            if failed is not None:
+                return failed.response()
             answer = builder.response([finals[r.request_id] for r in group])
             if group[0].kv_export:
                 answer.kv_transfer_params = (loop.take_kv_transfer_params(group[0].request_id)
@@ -216,6 +219,12 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
                     yield "data: [DONE]\n\n"
                     return
                 recorder.on_output(out)
+                if (failed := generation_error(out)) is not None:  # a completion failed: no more chunks
+                    if stream.finished:
+                        recorder.finish()  # counted by finish reason, "error" among them
+                    yield f"data: {json.dumps(failed.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 if out.finished:
                     finals[out.request_id] = out
                 for chunk in builder.chunks(out):
@@ -259,11 +268,13 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
         prompts = rm.completion_prompts(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.prompt_token_ids, prompts, engine.tokenizer)
+        per_prompt = [rm.prompt_params(params, max_tokens=max_tokens, num_prompt_tokens=len(ids),
+                                       max_model_len=max_model_len, param="max_tokens") for ids in prompt_ids]
         transfer = kvt.mode(body, kv_connector, len(prompt_ids), params.n)
         kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids[0]) if transfer == "import" else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), params, body.priority,
-                               kv_import=kv, kv_export=transfer == "export")
+        group = [EngineRequest(f"{request_id}-{i}", rm.engine_prompt(ids, body.cache_salt), per_prompt[i],
+                               body.priority, kv_import=kv, kv_export=transfer == "export")
                  for i, ids in enumerate(prompt_ids)]
         builder = ResponseBuilder(chat=False, request_id=request_id, model=settings.served_model_name,
                                   engine_ids=[r.request_id for r in group], n=params.n, tokenizer=engine.tokenizer,
@@ -287,6 +298,9 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
         messages = rm.chat_messages(body)
         await tokenize(rm.check_structured_outputs, body, params, engine)
         prompt_ids = await tokenize(rm.chat_prompt_ids, messages, engine.tokenizer)
+        params = rm.prompt_params(params, max_tokens=max_tokens, num_prompt_tokens=len(prompt_ids),
+                                  max_model_len=max_model_len, param="max_tokens" if body.max_completion_tokens is None
+                                  else "max_completion_tokens")
         transfer = kvt.mode(body, kv_connector, 1, params.n)
         kv = await kvt.load(kv_connector, body.kv_transfer_params, prompt_ids) if transfer == "import" else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -9,7 +9,10 @@ message that says what was wrong. Status codes used:
     404 invalid_request_error  unknown model (code "model_not_found", as OpenAI) or route
     413 invalid_request_error  body over --max_request_body_bytes (code "request_too_large")
     500 server_error           the engine failed while the request was in flight (code
-                               "engine_dead"; a stream gets the same body as its last event)
+                               "engine_dead"; a stream gets the same body as its last event);
+                               a completion ended with finish reason "error", an internal
+                               failure such as a grammar matcher's (code "generation_error",
+                               as vLLM's 500; a stream: the same body as its last event)
     503 server_error           waiting queue full (code "server_busy"), shutting down (code
                                "unavailable"), the engine failed before the request came
                                (code "engine_dead": the server is exiting)
@@ -64,6 +67,18 @@ def engine_dead(exc: Exception, *, in_flight: bool) -> APIError:
     """The engine failed: a 500 for a request it held (it failed), a 503 for one that came
     after (the server is going away; a client may retry elsewhere)."""
     return APIError(500 if in_flight else 503, str(exc), type="server_error", code="engine_dead")
+
+
+def generation_error(output) -> APIError | None:
+    """The 500 for a RequestOutput one of whose completions ended with finish reason
+    "error" (the engine logged why), else None: a failed completion must not reach the
+    client as a finished one."""
+    failed = [c.index for c in output.outputs if c.finish_reason == "error"]
+    if not failed:
+        return None
+    return APIError(500, f"completion {failed[0]} of the request failed inside the engine (its structured-output "
+                         "grammar matcher reported an error; the server log has the details)",
+                    type="server_error", code="generation_error")
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

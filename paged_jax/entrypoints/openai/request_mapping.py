@@ -19,6 +19,7 @@ from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import CompletionOutput
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.structured_outputs import KINDS, StructuredOutputsParams
+from paged_jax.engine.processor import validate_max_tokens
 from paged_jax.entrypoints.openai.errors import bad_request
 from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -276,10 +277,27 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens
                            prompt_logprobs=prompt_logprobs)
 
 
+def prompt_params(params: SamplingParams | BeamSearchParams, *, max_tokens: int | None, num_prompt_tokens: int,
+                  max_model_len: int, param: str) -> SamplingParams | BeamSearchParams:
+    """The params of one tokenized prompt. A request that gave `max_tokens` must fit it
+    with the prompt into max_model_len: else a 400 naming `param` (vLLM's answer), never a
+    completion cut short unasked. One that did not gets the context its prompt leaves, as
+    in vLLM. (A prompt too long by itself is left to the engine's prompt check.)"""
+    if max_tokens is None:
+        return dataclasses.replace(params, max_tokens=max(1, max_model_len - num_prompt_tokens))
+    if num_prompt_tokens < max_model_len:
+        try:
+            validate_max_tokens(num_prompt_tokens, max_tokens, max_model_len)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from exc
+    return params
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None, default_max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request; its ValueError becomes a 400 naming the field.
-    `max_tokens` None means `default_max_tokens` (the engine still stops at max_model_len)."""
+    `max_tokens` None means `default_max_tokens` (prompt_params then gives each prompt the
+    context it leaves)."""
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
