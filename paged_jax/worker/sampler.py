@@ -41,12 +41,17 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
     temp = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
 
+    def tempered():
+        # a masked token (-inf: structured outputs) stays -inf: XLA on CPU divides by multiplying
+        # with 1 / temp, which flushes to 0 near float32's largest temperatures, and -inf * 0 is NaN
+        return jnp.where(jnp.isneginf(logits), -jnp.inf, logits / temp)
+
     def plain():
-        return jax.vmap(jax.random.categorical)(keys, logits / temp).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys, tempered()).astype(jnp.int32)
 
     def with_filters():
         vocab = logits.shape[-1]
-        sorted_logits, sorted_ids = jax.lax.top_k(logits / temp, vocab)
+        sorted_logits, sorted_ids = jax.lax.top_k(tempered(), vocab)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # min-p, relative to the most likely token (column 0 of the descending sort)
         keep = probs >= min_p[:, None] * probs[:, :1]

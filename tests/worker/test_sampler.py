@@ -140,3 +140,16 @@ def test_a_rows_draw_does_not_depend_on_its_neighbours_filters():
     only_filtered = sample_tokens(logits[rows], temp[rows], jnp.array([5, 0, 0]), jnp.array([1.0, 0.9, 1.0]),
                                   jnp.array([0.0, 0.0, 0.3]), keys[rows])
     assert [int(t) for t in only_filtered] == [int(mixed[i]) for i in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("top_k", [0, 2], ids=["plain", "filtered"])
+def test_masked_tokens_stay_masked_at_the_largest_temperatures(top_k):
+    """Tokens 0, 2 and 4 masked (-inf, a structured-output constraint); at temperature 3.4e38
+    1 / T flushes to 0 on XLA CPU and -inf * 0 would be NaN (then token 0 was drawn: the fuzz
+    finding in tests/entrypoints/test_fuzz_findings.py). Every draw must be an allowed token."""
+    rows = 64
+    logits = jnp.tile(jnp.array([-jnp.inf, 1.0, -jnp.inf, 2.0, -jnp.inf, 0.5]), (rows, 1))
+    tokens = np.asarray(jax.jit(sample_tokens)(
+        logits, jnp.full(rows, 3.4e38, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.ones(rows),
+        jnp.zeros(rows), row_keys(jnp.arange(rows, dtype=jnp.uint32), 0)))
+    assert set(tokens.tolist()) <= {1, 3, 5}, tokens
