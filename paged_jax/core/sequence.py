@@ -80,8 +80,9 @@ class Sequence:
 
     @property
     def final_num_tokens(self) -> int:
-        """Prompt + max_tokens: the length it reaches unless a stop ends it first (the engine
-        also caps it at max_model_len); contiguous allocators reserve for it at admission."""
+        """Prompt + max_tokens: the length it reaches unless a stop ends it first (never more
+        than max_model_len: the engine refuses such requests); contiguous allocators reserve
+        for it at admission."""
         return len(self.prompt_token_ids) + self.sampling_params.max_tokens
 
     @property
