@@ -51,10 +51,9 @@ _COLD_KERNELS = flags.DEFINE_bool("cold_kernel_cache", True, "The cold run build
 _NOTE = flags.DEFINE_string("note", "", "Recorded as is: e.g. what else ran on the machine.")
 _OUTPUT = flags.DEFINE_string("output", "startup_time", "Result name: experiments/results/<output>.json; "
                                                         "empty: print the figures only.")
-_CHILD = flags.DEFINE_string("child", None, "Internal: run one start-up in this process and write its "
-                                            "figures to this JSON file.")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # passed to LLM() when set
 _SPAWN_ENV = "PAGED_JAX_STARTUP_SPAWN_TIME"  # the parent's time.time() just before it started the child
 # phase -> (module, owner attribute or "", function): each call of the function counts to the phase
 _HOOKS = {
@@ -146,8 +145,10 @@ class _Timeline:
         return {label: round(out.get(name, 0.0), 3) for name, label in short.items()}
 
 
-def child(path: str) -> None:
-    """One start-up, as a user's script does it; writes its figures to `path`."""
+def child(path: str, options: dict) -> None:
+    """One start-up, as a user's script does it (no absl: its logging would show JAX's INFO
+    lines, which a plain script does not); writes its figures to `path`. `options`: the
+    parent's flags (model, engine settings, prompt, max_tokens)."""
     spawn = float(os.environ[_SPAWN_ENV])
     line = _Timeline(spawn)
     t_main = line.now()
@@ -168,19 +169,17 @@ def child(path: str) -> None:
             return empty_batch(runner, num_seqs, num_tokens)
         ModelRunner.empty_batch = marked
     enable_compilation_cache()  # $PAGED_JAX_CACHE_DIR: the parent's directory
-    settings = {k: v for k, v in (("max_num_seqs", _MAX_NUM_SEQS.value),
-                                  ("max_num_batched_tokens", _MAX_TOKENS_PER_STEP.value),
-                                  ("max_model_len", _MAX_MODEL_LEN.value)) if v is not None}
+    settings = {k: options[k] for k in _ENGINE_SETTINGS if options.get(k) is not None}
     t_llm = line.now()
-    model, tiny = _MODEL.value, _MODEL.value.startswith("tiny_")
+    model, tiny = options["model"], options["model"].startswith("tiny_")
     if tiny:  # random weights, no tokenizer: load it here (what load_model does for a named model)
         from experiments.bench_models import load_for_benchmark
-        model = load_for_benchmark(model, _MAX_MODEL_LEN.value or 64)
+        model = load_for_benchmark(model, options.get("max_model_len") or 64)
         line.calls["model_load"].append((t_llm, line.now()))
     llm = LLM(model, **settings)
     t_ready = line.now()
-    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]} if tiny else _PROMPT.value
-    [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=_MAX_TOKENS.value), use_tqdm=False)
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]} if tiny else options["prompt"]
+    [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=options["max_tokens"]), use_tqdm=False)
     t_done = line.now()
 
     warm = line.calls.get("warm_up", [(t_ready, t_ready)])[0]
@@ -212,7 +211,7 @@ def child(path: str) -> None:
         json.dump(figures, f)
 
 
-def run_once(label: str, cache_dir: str, kernel_dir: str | None, argv: list[str]) -> dict:
+def run_once(label: str, cache_dir: str, kernel_dir: str | None, options: dict) -> dict:
     """One start-up in a fresh process; its figures, the console it showed and the load.
     `kernel_dir`: the native kernels' cache (None: the user's)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -221,7 +220,8 @@ def run_once(label: str, cache_dir: str, kernel_dir: str | None, argv: list[str]
     if kernel_dir is not None:
         env["PAGED_JAX_KERNEL_CACHE_DIR"] = kernel_dir
     load = os.getloadavg()[0]
-    proc = subprocess.run([sys.executable, "-m", "experiments.startup_time", f"--child={out_path}", *argv],
+    script = "import json, sys\nfrom experiments.startup_time import child\nchild(sys.argv[1], json.loads(sys.argv[2]))"
+    proc = subprocess.run([sys.executable, "-c", script, out_path, json.dumps(options)],
                           cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"the {label} start-up failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -234,19 +234,15 @@ def run_once(label: str, cache_dir: str, kernel_dir: str | None, argv: list[str]
 
 def main(argv):
     del argv
-    if _CHILD.value:
-        child(_CHILD.value)
-        return
-    passed = [f"--{name}={value}" for name, value in (
-        ("model", _MODEL.value), ("max_num_seqs", _MAX_NUM_SEQS.value),
-        ("max_num_batched_tokens", _MAX_TOKENS_PER_STEP.value), ("max_model_len", _MAX_MODEL_LEN.value),
-        ("prompt", _PROMPT.value), ("max_tokens", _MAX_TOKENS.value)) if value is not None]
+    options = {"model": _MODEL.value, "max_num_seqs": _MAX_NUM_SEQS.value,
+               "max_num_batched_tokens": _MAX_TOKENS_PER_STEP.value, "max_model_len": _MAX_MODEL_LEN.value,
+               "prompt": _PROMPT.value, "max_tokens": _MAX_TOKENS.value}
     work = tempfile.mkdtemp(prefix="paged_jax_startup_")
     try:
         cache_dir = os.path.join(work, "jax")
         kernel_dir = os.path.join(work, "cpu_kernels") if _COLD_KERNELS.value else None
-        runs = [run_once("cold", cache_dir, kernel_dir, passed)]
-        runs += [run_once(f"warm{i + 1}" if _WARM_RUNS.value > 1 else "warm", cache_dir, kernel_dir, passed)
+        runs = [run_once("cold", cache_dir, kernel_dir, options)]
+        runs += [run_once(f"warm{i + 1}" if _WARM_RUNS.value > 1 else "warm", cache_dir, kernel_dir, options)
                  for i in range(_WARM_RUNS.value)]
         cache_files = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
     finally:
@@ -264,10 +260,7 @@ def main(argv):
         print(json.dumps(figures, indent=1))
         return
     from experiments.reporting.results_io import write_result
-    flag_values = {"model": _MODEL.value, "max_num_seqs": _MAX_NUM_SEQS.value,
-                   "max_num_batched_tokens": _MAX_TOKENS_PER_STEP.value, "max_model_len": _MAX_MODEL_LEN.value,
-                   "warm_runs": _WARM_RUNS.value, "cold_kernel_cache": _COLD_KERNELS.value, "prompt": _PROMPT.value,
-                   "max_tokens": _MAX_TOKENS.value,
+    flag_values = {**options, "warm_runs": _WARM_RUNS.value, "cold_kernel_cache": _COLD_KERNELS.value,
                    "note": _NOTE.value}
     print(f"wrote {write_result(_OUTPUT.value, flags=flag_values, figures=figures)}")
 
