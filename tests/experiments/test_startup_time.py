@@ -46,3 +46,14 @@ def test_dry_run_cold_then_warm():
     warm_up = warm["compile"]["warm_up"]
     assert warm_up["cache_misses"] == 0 and warm_up["cache_hits"] == warm_up["programs"] > 0
     assert figures["cache_entries_after"] >= cold["compile"]["warm_up"]["programs"]
+
+
+def test_results_row_shows_cold_and_best_warm_time():
+    from experiments.reporting import results_rows
+    record = {"figures": {"model": "smollm2-135m", "runs": [{"run": "cold", "ready_s": 38.17},
+                                                            {"run": "warm1", "ready_s": 13.44},
+                                                            {"run": "warm2", "ready_s": 12.96}]},
+              "environment": {"platform": "cpu", "cpu_count": 2}}
+    [(figure, value)] = results_rows.BUILDERS["startup_time"](record)
+    assert "smollm2-135m" in figure and "cold / warm" in figure
+    assert value == "38.2 s / 13.0 s"
