@@ -5,6 +5,7 @@ invocation's arguments and its start and end times, so the test sees how the bui
 called the compiler, and the library it produced must load with every FFI symbol."""
 
 import ctypes
+import itertools
 import os
 import shutil
 import stat
@@ -61,5 +62,5 @@ def test_sources_compile_separately_and_in_parallel(tmp_path, monkeypatch):
     assert "-shared" in link[2] and link[0] >= max(end for _, end, _ in compiles)
     if build._num_cores() >= 2:  # some compiles ran at the same time
         spans = sorted((start, end) for start, end, _ in compiles)
-        assert any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+        assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
     assert not [p for p in os.listdir(tmp_path / "cache") if not p.endswith(".so")]  # objects cleaned up
