@@ -117,6 +117,15 @@ def load_times(record: dict) -> list:
              f"(min of {record['flags']['repeats']})"), _join((fig[k]["min_s"] for k, _ in kinds), "{:.2g} s"))]
 
 
+def startup_time(record: dict) -> list:
+    """LLM(model)'s time to ready in a fresh process, cold (empty caches) and warm (the best of the warm runs)."""
+    runs = record["figures"]["runs"]
+    warm = [r["ready_s"] for r in runs if r["run"] != "cold"]
+    cold = [r["ready_s"] for r in runs if r["run"] == "cold"]
+    return [(f"{record['figures']['model']} start-up, process spawn to LLM() ready: cold / warm caches{_cpu_note(record)}",
+             f"{_join(cold, '{:.1f} s')} / {min(warm):.1f} s" if warm else _join(cold, "{:.1f} s"))]
+
+
 def prefix_cache_ttft(record: dict) -> list:
     fig, flags = record["figures"], record["flags"]
     question = statistics.mean(fig["prompt_lens"]) - fig["prefix_len"]
@@ -337,7 +346,7 @@ from experiments.reporting.step_rows import (helper_threads, host_time_vs_output
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
-    "engine_metrics": engine_metrics, "load_times": load_times, "bench_kernel": kernel_rows.bench_kernel,
+    "engine_metrics": engine_metrics, "load_times": load_times, "startup_time": startup_time, "bench_kernel": kernel_rows.bench_kernel,
     "attention_backends": kernel_rows.attention_backends,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,

@@ -26,11 +26,11 @@ import re
 
 import jax.numpy as jnp
 import numpy as np
-from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from paged_jax.config.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from paged_jax.loading.errors import WeightFileError, detail, file_size
+from paged_jax.loading.gguf_dequant import dequantize
 from paged_jax.loading.gguf_file import GGUFFile
 from paged_jax.loading.placement import place_params
 from paged_jax.model.llama import Params, param_shapes
