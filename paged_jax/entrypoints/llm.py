@@ -24,15 +24,22 @@ from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
+from paged_jax.worker.compilation_cache import enable_compilation_cache
 
 
 class LLM:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", *, show_progress: bool = True,
-                 **engine_settings):
+                 compilation_cache: bool | str = True, **engine_settings):
         """`model`: a registered name, a .gguf file, a Hugging Face directory, a paged_jax
         checkpoint, a Hugging Face Hub id ("Qwen/Qwen3-0.6B") or an already loaded model;
         `show_progress`: a bar on stderr while the buckets compile (a cold start takes a
-        minute or more on a small CPU); `engine_settings`: EngineConfig fields."""
+        minute or more on a small CPU); `compilation_cache`: keep compiled programs on disk
+        and reuse them in later processes (True: ~/.cache/paged_jax/jax or
+        $PAGED_JAX_CACHE_DIR; a path; False: off), as the server does: without it every
+        `LLM(...)` in a new process compiles every bucket again; `engine_settings`:
+        EngineConfig fields."""
+        if compilation_cache:  # JAX's process-wide setting, made here because the user asked for an engine
+            enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)
         self.engine = LLMEngine(model, EngineConfig(**engine_settings), allocator_factory=make_allocator,
                                 show_progress=show_progress)
         self._counter = 0
