@@ -31,7 +31,20 @@ def environment() -> dict:
         "num_devices": len(devices),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),  # hosts change between sessions: a CPU figure names its CPU
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as `lscpu` prints it (/proc/cpuinfo on Linux), or None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def round_or_none(value, digits: int):

@@ -60,7 +60,8 @@ def _pct(x: float) -> str:
 def _cpu_note(record: dict) -> str:
     env = record.get("environment") or {}
     if env.get("platform") == "cpu":
-        return f" (noisy, {env.get('cpu_count')} shared cores)"
+        cpu = f"{env['cpu_model']}, " if env.get("cpu_model") else ""
+        return f" (noisy, {cpu}{env.get('cpu_count')} shared cores)"
     return f" ({env.get('device')})" if env.get("device") else ""
 
 
@@ -341,8 +342,8 @@ from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulatio
 from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
 from experiments.reporting import simulator_rows  # noqa: E402  (the simulator's profile)
 from experiments.reporting import kernel_rows  # noqa: E402  (the kernels', CPU or GPU)
-from experiments.reporting.step_rows import (helper_threads, host_time_vs_output_len, step_profile,  # noqa: E402
-                                             step_shape_costs, step_time_vs_cache_size)
+from experiments.reporting.step_rows import (engine_overhead, helper_threads, host_time_vs_output_len,  # noqa: E402
+                                             step_profile, step_shape_costs, step_time_vs_cache_size)
 
 # experiments module -> builder, in the table's order
 BUILDERS = {
@@ -357,6 +358,7 @@ BUILDERS = {
     "simulate": simulate, "batching_vs_spread": batching_vs_spread, "tensor_parallel_memory": tensor_parallel_memory,
     "step_profile": step_profile, "step_time_vs_cache_size": step_time_vs_cache_size,
     "step_shape_costs": step_shape_costs, "host_time_vs_output_len": host_time_vs_output_len,
+    "engine_overhead": engine_overhead,
     "structured_outputs_overhead": eval_rows.structured_outputs_overhead, "soak": hardening_rows.soak,
     "fuzz_server": hardening_rows.fuzz_server, "dashboard_cost": dashboard_rows.dashboard_cost,
     "simulate_fleet": fleet_rows.simulate_fleet, "fleet_prefix_routing": fleet_rows.fleet_prefix_routing, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,

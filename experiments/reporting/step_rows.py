@@ -87,3 +87,23 @@ def helper_threads(record: dict) -> list:
              f"{flags.get('context_len')} context tokens and prefill chunks, {flags.get('rounds')} alternating rounds: "
              f"step ms with {words} (speedup over the first, median of the rounds' ratios)",
              value + rr._cpu_note(record))]
+
+
+def engine_overhead(record: dict) -> list:
+    """A decode step's host time with the paper's metrics off (the serving default) and on,
+    per runner, with the stats phase that the switch changes and the device's idle share."""
+    fig = record["figures"]
+    rows = {(r["runner"], r["paper_metrics"]): r for r in fig["rows"]}
+    out = []
+    for runner in ("model", "host_only"):
+        off, on = rows.get((runner, False)), rows.get((runner, True))
+        if off is None or on is None:
+            continue
+        what = "with the model's step" if runner == "model" else "host-only runner"
+        value = (f"{off['host_ms']:.3f} / {on['host_ms']:.3f} ms (stats {off['phases_ms']['stats']:.3f} / "
+                 f"{on['phases_ms']['stats']:.3f} ms)")
+        if runner == "model":
+            value += f"; device idle {100 * off['device_idle_fraction']:.1f}% of the step"
+        out.append((f"{fig['model']}: host time of a {fig['num_seqs']}-sequence decode step ({what}), paper metrics "
+                    f"off / on{rr._cpu_note(record)}", value))
+    return out

@@ -54,3 +54,20 @@ def test_paper_figures_are_computed_only_with_the_switch(tiny_llama):
         decode_steps(engine, [[5, 6, 7, 8]] * N, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), timer)
         calls[paper] = counted["n"]
     assert calls[False] == 0 < calls[True]
+
+
+def test_results_row_shows_host_time_off_and_on():
+    from experiments.reporting import results_rows
+    from tests.helpers.row_numbers import shows_in_order
+
+    def row(runner, paper, host, stats, idle):
+        return {"runner": runner, "paper_metrics": paper, "host_ms": host, "device_idle_fraction": idle,
+                "phases_ms": {"stats": stats}}
+    record = {"environment": {"platform": "cpu", "cpu_count": 2},
+              "figures": {"model": "tiny", "num_seqs": 64,
+                          "rows": [row("model", False, 0.9, 0.016, 0.25), row("model", True, 1.1, 0.064, 0.2),
+                                   row("host_only", False, 0.6, 0.009, 1.0), row("host_only", True, 0.7, 0.048, 1.0)]}}
+    (model_label, model_value), (host_label, host_value) = results_rows.BUILDERS["engine_overhead"](record)
+    assert shows_in_order(model_value, "0.900", "1.100", "0.016", "0.064", "25.0")
+    assert shows_in_order(host_value, "0.600", "0.700", "0.009", "0.048") and "idle" not in host_value
+    assert "64" in model_label and "64" in host_label
