@@ -159,7 +159,7 @@ def profile(model, num_seqs: int, context_len: int, block_size: int, top_k: int,
         + 3 * cfg.hidden_size * cfg.intermediate_size
     flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
     before = sum(parts[k_] for k_ in ("layers_scan", "attention_kernel", "logits", "logprobs_top_k", "sample_greedy"))
-    # the runner takes an all-greedy batch's tokens from the packed head's argmax (ModelRunner._native_greedy)
+    # the runner takes an all-greedy batch's tokens from the packed head's argmax (SplitHeads.native_greedy)
     head_argmax = packed_head is not None
     after = sum(parts[k_] for k_ in ("layers_served", "attention_native", "logits_served")) \
         + (0.0 if head_argmax else parts["greedy_head"])

@@ -120,7 +120,7 @@ class StepTimer:
         self.current = None
         originals = {"step": core.step, "bitmask": manager.bitmask, "accept": manager.accept,
                      "execute": runner.execute, "run_batch": runner.run_batch, "model": runner._step,
-                     "head": runner._head, "check": manager.check, "matcher": manager.compiler.matcher}
+                     "head": runner._heads.run, "check": manager.check, "matcher": manager.compiler.matcher}
 
         def timed(part, fn, block=False):
             def wrapper(*args, **kwargs):
@@ -162,7 +162,7 @@ class StepTimer:
         manager.bitmask, manager.accept = timed("bitmask", originals["bitmask"]), timed("accept", originals["accept"])
         runner.run_batch = timed("run_batch", originals["run_batch"])
         runner._step = timed("model", originals["model"], _BLOCK_PARTS.value)
-        runner._head = timed("head", originals["head"], True)
+        runner._heads.run = timed("head", originals["head"], True)
         manager.check = apart("checks", originals["check"])
         manager.compiler.matcher = apart("matchers", originals["matcher"])
 

@@ -5,8 +5,9 @@ attention) are handed what it chose, as arguments. So a GPU or TPU reader never 
 CPU's AVX-512 code paths, and a new device is one new subclass: which attention kernels
 "auto" means, how the layers multiply by their weights and how those are laid out
 (`serving_linear`), which KV cache dtype "auto" means, whether host work may overlap the
-device step, and the engine settings a user gets by default (`EngineDefaults`). vLLM's
-`vllm/platforms/` is the model for this split.
+device step, whether the sampling head runs inside the step (`fused_head`), and the engine
+settings a user gets by default (`EngineDefaults`). vLLM's `vllm/platforms/` is the model
+for this split.
 
 Subclasses: cpu.py (the only importer of cpu_kernels/), gpu.py, tpu.py; `current_platform()`
 in __init__.py picks one for JAX's default backend.
@@ -52,6 +53,11 @@ class Platform:
     # host work (the structured-output bitmask) while the dispatched step runs: worth it where the
     # device computes and the host waits; not where the step itself runs on the host's cores
     overlap_host_work: bool = True
+    # the sampling head inside the jitted model step (one dispatch per step, the logits never leave
+    # the device) rather than a jitted call of its own after it: a second dispatch and host round trip
+    # per step cost the most where a device computes and the host waits; the CPU splits them
+    # (paged_jax/worker/step_head.py says why that measured faster there)
+    fused_head: bool = True
 
     def available_backends(self) -> tuple[str, ...]:
         """The attention backends that run here."""

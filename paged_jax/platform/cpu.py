@@ -40,6 +40,7 @@ class CpuPlatform(Platform):
     defaults = EngineDefaults(max_num_seqs=64, max_num_batched_tokens=1024,
                               kv_cache_memory_bytes=DEFAULT_KV_CACHE_MEMORY_BYTES, layer_loop="unroll")
     overlap_host_work = False
+    fused_head = False  # the head as its own call: the sampler's temporaries fault pages here (step_head.py)
 
     def available_backends(self) -> tuple[str, ...]:
         return (("native",) if build.available() else ()) + PORTABLE_BACKENDS

@@ -3,11 +3,13 @@
 It owns the device KV cache and the host swap space, turns each SchedulerOutput into a
 padded BatchInputs (numpy), and runs one jitted step per (seq, token) bucket with the
 cache donated: the model over the new tokens (K/V written at their slots, attention
-through the block tables) and logits for each row's last token; then the step's head, a
-jitted call of its own (`step_head.py` says why): greedy rows take the argmax, and only a
-batch with a sampled row runs the sampler with its per-row parameters. Where the LM head
-runs on a native kernel (AMX for bf16, AVX-512 FMA for f32), it also returns each row's
-argmax: an all-greedy batch asking no logprobs takes it, skipping the head (`_native_greedy`).
+through the block tables) and logits for each row's last token; then the step's head.
+Where the platform splits it (`Platform.fused_head` False: the CPU, `step_head.py` says
+why), the head is a jitted call of its own (head_dispatch.py): greedy rows take the argmax,
+only a batch with a sampled row runs the sampler, and where the LM head runs on a native
+kernel that also returns each row's argmax, an all-greedy batch asking no logprobs skips the
+head. Where the platform fuses it (GPU, TPU), one program per bucket runs the model and
+`step_head.any_head` and returns only what the host reads: one dispatch per step.
 Copy-on-write block copies run as their own jitted call, only in steps that have any (the
 batch's copy list is padded to max_num_seqs; copying the padding inside every step cost
 36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`).
@@ -55,26 +57,27 @@ from paged_jax.model.decoder import LlamaDecoder
 from paged_jax.model.functional import check_params, layer_matrices_as, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
-from paged_jax.platform import current_platform
+from paged_jax.platform import Platform, current_platform
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
+from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
-from paged_jax.worker.step_head import (StepResult, greedy_head, greedy_head_masked, prompt_logprob_head, sampled_head,
-                                        sampled_head_masked)
-
+from paged_jax.worker.step_head import StepResult, any_head, prompt_logprob_head
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, *, num_blocks: int,
                  num_host_blocks: int, mesh=None, model_class: type[nnx.Module] = LlamaDecoder,
-                 structured_outputs: bool = False):
+                 structured_outputs: bool = False, platform: Platform | None = None):
         """`structured_outputs`: also compile the heads that sample under a token bitmask
-        (what the engine asks for when it can compile grammars: it has a tokenizer)."""
+        (what the engine asks for when it can compile grammars: it has a tokenizer).
+        `platform`: what differs by device (None: `current_platform()`; tests pass one to run
+        another platform's choices, e.g. the fused head, on this machine)."""
         if config.attention_backend == "auto":
             raise ValueError("resolve attention_backend 'auto' before building the runner (engine/kv_sizing.py)")
-        self.platform = current_platform()
+        self.platform = current_platform() if platform is None else platform
         self.attention_kernels = self.platform.attention_kernels(config.attention_backend)
         if config.layer_loop not in ("unroll", "scan"):
             raise ValueError(f"resolve layer_loop {config.layer_loop!r} before building the runner")
@@ -123,6 +126,11 @@ class ModelRunner:
             raise ValueError("resolve kv_cache_dtype before building the runner")
         dtype = jnp.dtype(config.kv_cache_dtype)
         self.mesh = mesh  # jax.sharding.Mesh for tensor parallelism, or None (one device)
+        # the sampling head inside the model step where the platform fuses it (one dispatch per step, no
+        # logits round trip); a tensor-parallel step keeps the split: its step pins (logits, cache)
+        # shardings and its heads run replicated on the gathered logits, and no fused program's
+        # shardings have been worked out (or measured) yet
+        self.fused_head = self.platform.fused_head and mesh is None
         if mesh is not None and num_host_blocks and jax.process_count() > 1:
             raise ValueError("multi-host engines preempt by recompute only (each process holds only its heads of a "
                              "block, so a swap cannot go through one host's memory): use preemption_mode='recompute'")
@@ -144,23 +152,39 @@ class ModelRunner:
         if self.rope_tables is not None:
             self.rope_tables = jax.device_put(self.rope_tables, tp.replicated(mesh) if mesh is not None else None)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 5), **step_shardings)
+        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1,))  # no mesh (`fused_head`)
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
-        head_shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh),
-                                                   "out_shardings": tp.replicated(mesh)}
-        self._greedy_head = jax.jit(self._greedy_head_impl, **head_shardings)
+        self._heads = SplitHeads(self.num_top_logprobs, mesh, self._count_trace)
         prompt_shardings = {} if mesh is None else {
             "in_shardings": (step_shardings["in_shardings"][0], tp.replicated(mesh), tp.replicated(mesh),
                              tp.replicated(mesh)), "out_shardings": tp.replicated(mesh)}
         self._prompt_head = jax.jit(self._prompt_head_impl, **prompt_shardings)
-        self._sampled_head = jax.jit(self._sampled_head_impl, **head_shardings)
-        self._greedy_head_masked = jax.jit(self._greedy_head_masked_impl, **head_shardings)
-        self._sampled_head_masked = jax.jit(self._sampled_head_masked_impl, **head_shardings)
         self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **cache_shardings)
 
     # ---- device functions -------------------------------------------------------------
+    def _count_trace(self) -> None:
+        self.num_compilations += 1  # called only while tracing
+
     def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer):
+        """The split step (no `fused_head`): the model, returning the logits for the head's own call."""
         del logits_buffer  # only donated: XLA writes the logits into it (`_logits_buffer`)
-        self.num_compilations += 1  # runs only while tracing
+        self._count_trace()
+        return self._model(params, kv_cache, batch, rope_tables, packed_head, argmax=True)
+
+    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head):
+        """The fused step (`fused_head`): the model, then `any_head` on its logits, which never
+        leave the program; returns what the host reads (and `hidden`, for prompt logprobs)."""
+        self._count_trace()
+        logits, kv_cache, hidden, _ = self._model(params, kv_cache, batch, rope_tables, packed_head, argmax=False)
+        result = any_head(logits, batch.token_bitmask if self.structured_outputs else None, batch.use_mask,
+                          batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
+                          batch.want_top, k=self.num_top_logprobs)
+        return tuple(result[:4]), kv_cache, hidden
+
+    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, *, argmax: bool):
+        """The model over the batch's tokens: (logits of each row's last token, the cache, every
+        token's hidden state, and (argmax, its logit) per row where `argmax` and a packed head's
+        kernel computes them, else None)."""
         cfg = self.model_config
         meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
         attention = functools.partial(paged_attention, sliding_window=cfg.sliding_window,
@@ -177,9 +201,11 @@ class ModelRunner:
         else:
             model = nnx.merge(self.graphdef, params)
             hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
-        greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`_native_greedy`)
-        if packed_head is not None:
+        greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`native_greedy`)
+        if packed_head is not None and argmax:
             logits, *greedy = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=True)
+        elif packed_head is not None:
+            logits = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=False)
         else:
             logits = model.compute_logits(hidden[batch.logits_indices])
         if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
@@ -200,22 +226,6 @@ class ModelRunner:
             logits = tp.gather_logits(logits, self.model_config.vocab_size, self.mesh)
         return prompt_logprob_head(logits, targets, k=self.num_top_logprobs)
 
-    def _greedy_head_impl(self, logits, want_top):
-        self.num_compilations += 1
-        return greedy_head(logits, want_top, k=self.num_top_logprobs)
-
-    def _sampled_head_impl(self, logits, *sampling):
-        self.num_compilations += 1
-        return sampled_head(logits, *sampling, k=self.num_top_logprobs)
-
-    def _greedy_head_masked_impl(self, logits, bitmask, want_top):
-        self.num_compilations += 1
-        return greedy_head_masked(logits, bitmask, want_top, k=self.num_top_logprobs)
-
-    def _sampled_head_masked_impl(self, logits, bitmask, *sampling):
-        self.num_compilations += 1
-        return sampled_head_masked(logits, bitmask, *sampling, k=self.num_top_logprobs)
-
     def _logits_buffer(self, batch: BatchInputs) -> jax.Array:
         """A [rows, vocab] f32 buffer for the step to write its logits into: the previous
         step's logits of this row bucket, donated (the head has read them by then). Why:
@@ -231,33 +241,6 @@ class ModelRunner:
             buffer = jax.device_put(np.zeros(shape, np.float32), sharding)
         return buffer
 
-    def _native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
-        """The step's result straight from the head kernel's argmax (`Linear.head_logits`), for
-        a batch that `greedy_head` would serve with nothing else to compute: every row greedy,
-        no token bitmask, no logprobs asked (`want_top` 0, so its logprobs are the tokens' raw
-        logits and its top-K zeros, as here). The tokens are the first maximum of the very
-        logits the head would read, so they are the same; what is saved is its pass over the
-        [rows, vocab] logits (~3.5 ms of a 64-row SmolLM2 decode step, measured in-process).
-        None where the batch needs the head."""
-        if greedy is None or batch.use_mask[0] or batch.temperature.any() or batch.want_top[0]:
-            return None
-        tokens, best = (np.asarray(a) for a in greedy)
-        k = self.num_top_logprobs
-        return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
-
-    def _head(self, logits, batch: BatchInputs) -> StepResult:
-        """Tokens, logprobs and top-K from the step's logits (`paged_jax/worker/step_head.py`
-        says why this is a call of its own): the sampler only when a row samples."""
-        sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
-                    batch.want_top)
-        if batch.use_mask[0]:  # a row is under a structured-output constraint
-            if batch.temperature.any():
-                return self._sampled_head_masked(logits, batch.token_bitmask, *sampling)
-            return self._greedy_head_masked(logits, batch.token_bitmask, batch.want_top)
-        if batch.temperature.any():
-            return self._sampled_head(logits, *sampling)
-        return self._greedy_head(logits, batch.want_top)
-
     # ---- host API ---------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> None:
         """Compile every bucket now, so serving never waits on the compiler. `progress`: a
@@ -271,16 +254,16 @@ class ModelRunner:
         for num_seqs, num_tokens in shapes:
             bar.set_postfix_str(f"{num_seqs} seqs x {num_tokens} tokens")
             batch = self.empty_batch(num_seqs, num_tokens)
+            if self.fused_head:  # one program per bucket, every head variant inside it
+                _, self.kv_cache, _ = jax.block_until_ready(self._fused_step(
+                    self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head))
+                bar.update()
+                continue
             logits, self.kv_cache, _, _ = self._step(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
                                                      self.packed_head, self._logits_buffer(batch))
-            jax.block_until_ready(self._head(logits, batch))  # greedy: padding rows
-            if num_seqs not in heads_compiled:  # the sampler too, once per row bucket (and both under a mask)
+            if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
                 heads_compiled.add(num_seqs)
-                sampled = batch._replace(temperature=np.ones_like(batch.temperature))
-                jax.block_until_ready(self._head(logits, sampled))
-                if self.structured_outputs:
-                    for b in (batch, sampled):
-                        jax.block_until_ready(self._head(logits, b._replace(use_mask=np.ones(1, np.int32))))
+                self._heads.warm_up(logits, batch, self.structured_outputs)
             self._logits_buffers[num_seqs] = logits
             bar.update()
         bar.set_postfix_str("prompt logprobs, block copies and moves")
@@ -324,12 +307,15 @@ class ModelRunner:
                 token_bitmask: np.ndarray | Callable[[], np.ndarray] | None = None) -> StepResult:
         """Run one scheduled step; returns what it sampled, one row per chunk. `token_bitmask`
         (i32[chunks, ceil(vocab / 32)]): the tokens each row may sample (structured outputs),
-        or a function that computes it: off CPU called while the model step runs (it is
-        dispatched asynchronously; only the head needs the mask), so the matchers' host
-        work overlaps the device's, as vLLM overlaps them (`overlap_host_work`)."""
+        or a function that computes it: where the platform overlaps host work and splits the
+        head, called while the model step runs (it is dispatched asynchronously; only the
+        head needs the mask), so the matchers' host work overlaps the device's, as vLLM
+        overlaps them (`overlap_host_work`); a fused head needs it at dispatch."""
         if token_bitmask is not None and not self.structured_outputs:
             raise ValueError("this runner was built without structured_outputs=True: its masked heads are not compiled")
-        late = token_bitmask if callable(token_bitmask) and self.on_step is None and self.overlap_host_work else None
+        # a fused head reads the mask inside the step, so it must be in the batch at dispatch
+        late = (token_bitmask if callable(token_bitmask) and self.on_step is None and self.overlap_host_work
+                and not self.fused_head else None)
         if callable(token_bitmask) and late is None:  # now: multi-host followers need it in the broadcast batch
             token_bitmask = token_bitmask()
         if output.swap_out:
@@ -353,6 +339,20 @@ class ModelRunner:
         start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
+        if self.fused_head:
+            outs, self.kv_cache, hidden = self._fused_step(self.params, self.kv_cache, self._fused_inputs(batch),
+                                                           self.rope_tables, self.packed_head)
+            result = StepResult(*(np.asarray(a) for a in outs))
+        else:
+            result, hidden = self._split_step(batch, late_bitmask)
+        if (batch.prompt_targets >= 0).any():
+            head = functools.partial(self._prompt_head, self.params, self.packed_head)
+            result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
+        self._step_seconds += time.perf_counter() - start
+        return result
+
+    def _split_step(self, batch: BatchInputs, late_bitmask) -> tuple[StepResult, jax.Array]:
+        """The model step, then its head as a call of its own (`SplitHeads`); (result, hidden)."""
         logits, self.kv_cache, hidden, greedy = self._step(self.params, self.kv_cache, _step_inputs(batch),
                                                            self.rope_tables, self.packed_head, self._logits_buffer(batch))
         if late_bitmask is not None:  # host work while the model step runs
@@ -360,15 +360,18 @@ class ModelRunner:
             mask = np.full_like(batch.token_bitmask, -1)
             mask[: len(rows)] = rows
             batch = batch._replace(token_bitmask=mask, use_mask=np.ones(1, np.int32))
-        result = self._native_greedy(greedy, batch)
+        result = self._heads.native_greedy(greedy, batch)
         if result is None:
-            result = StepResult(*(np.asarray(a) for a in self._head(logits, batch)[:4]))
-        if (batch.prompt_targets >= 0).any():
-            head = functools.partial(self._prompt_head, self.params, self.packed_head)
-            result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
+            result = StepResult(*(np.asarray(a) for a in self._heads.run(logits, batch)[:4]))
         self._logits_buffers[logits.shape[0]] = logits
-        self._step_seconds += time.perf_counter() - start
-        return result
+        return result, hidden
+
+    def _fused_inputs(self, batch: BatchInputs) -> BatchInputs:
+        """The batch as the fused step reads it: the token bitmask too, where the runner serves
+        structured outputs (else its one-word placeholder stays on the host), not the prompt targets."""
+        if self.structured_outputs:
+            return batch._replace(prompt_targets=None)
+        return _step_inputs(batch)
 
 
 def _step_inputs(batch: BatchInputs) -> BatchInputs:

@@ -11,6 +11,10 @@ records faults per step). Now the model step returns the logits (a small temp, r
 batch of greedy rows runs `greedy_head` (argmax and logsumexp fuse into reductions: no
 [rows, vocab] temporaries), and only a batch with a sampled row runs `sampled_head`. The
 host picks the head from the batch's temperatures, which it already holds.
+
+That is a CPU answer: on a GPU or TPU the second call is a second dispatch and a host round
+trip per step, so there the platform fuses the head into the step (`Platform.fused_head`;
+`any_head` below, every variant behind `lax.cond`s on scalars). head_dispatch.py runs either.
 """
 
 from __future__ import annotations
@@ -104,6 +108,26 @@ def sampled_head(logits, temperature, top_k, top_p, min_p, seeds, sample_index, 
     logits = logits.astype(jnp.float32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
     tokens = sample_tokens(logits, temperature, top_k, top_p, min_p, keys)
+    return _result(logits, tokens, want_top, k)
+
+
+def any_head(logits, bitmask, use_mask, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *,
+             k: int) -> StepResult:
+    """Every head above in one traced function, for a step that runs the head inside the model
+    step (a fused head: `Platform.fused_head`): the variant is picked on device from scalars
+    (`sample_tokens` draws only when a row samples, the mask applies only when `use_mask[0]`,
+    `_result` computes logprobs and top-K only where asked), so one program per bucket serves
+    any batch. Same tokens as the split heads: temperature-0 rows take `sample_tokens`'s
+    argmax (the first index of the maximum, as `first_max`) of the masked logits, sampled rows
+    draw with fold_in(key(seed), sample_index). `bitmask` None: no structured outputs (the
+    runner's placeholder mask is one word wide and must not be read)."""
+    logits = logits.astype(jnp.float32)
+    masked = logits
+    if bitmask is not None:
+        masked = jax.lax.cond(use_mask[0] > 0,
+                              lambda: jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf), lambda: logits)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
+    tokens = sample_tokens(masked, temperature, top_k, top_p, min_p, keys)
     return _result(logits, tokens, want_top, k)
 
 

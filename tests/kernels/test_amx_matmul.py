@@ -165,8 +165,8 @@ def test_greedy_batches_take_the_head_kernels_argmax_and_skip_the_head(tiny_llam
     runner = llm.engine.core.runner
     assert (runner.packed_head is not None) == HAS_AMX_CPU
     head_calls = []
-    original_head = runner._head
-    runner._head = lambda logits, batch: head_calls.append(1) or original_head(logits, batch)
+    original_head = runner._heads.run
+    runner._heads.run = lambda logits, batch: head_calls.append(1) or original_head(logits, batch)
     prompts = [{"prompt_token_ids": [5, 9, 12, 40, 3]}, {"prompt_token_ids": [77, 2, 19]}]
 
     def run(**params):
@@ -181,5 +181,5 @@ def test_greedy_batches_take_the_head_kernels_argmax_and_skip_the_head(tiny_llam
     assert [o.token_ids for o in native] == [o.token_ids for o in with_logprobs]  # ... and chose the same tokens
     run(temperature=0.8, seed=1)
     assert head_calls  # sampled rows: the sampler
-    runner._native_greedy = lambda greedy, batch: None  # the head for everything
+    runner._heads.native_greedy = lambda greedy, batch: None  # the head for everything
     assert [o.token_ids for o in run(temperature=0.0)] == [o.token_ids for o in native]

@@ -58,6 +58,14 @@ def test_accelerators_use_xla_linear_and_the_portable_kernels():
     assert platform_named("tpu").attention_kernels("pallas").attend is ragged_paged_attention
 
 
+def test_accelerators_fuse_the_sampling_head_the_cpu_splits_it():
+    """One dispatch per step where a device computes and the host waits; the CPU keeps the head
+    as its own call (paged_jax/worker/step_head.py says why); another backend gets the base's."""
+    assert platform_named("gpu").fused_head and platform_named("tpu").fused_head
+    assert platform_named("rocm").fused_head and platform_named("other").fused_head
+    assert not platform_named("cpu").fused_head
+
+
 def test_cpu_keeps_an_xla_written_cache_in_float32():
     cpu = platform_named("cpu")
     assert cpu.kv_cache_dtype("bfloat16", "pallas") == "float32"  # XLA's CPU scatter has no bf16 path

@@ -1,0 +1,90 @@
+"""How a step's logits become its tokens: the split heads' jitted calls, chosen on the host.
+
+Where the platform splits the head from the model step (`Platform.fused_head` False: the
+CPU, where step_head.py's docstring says why it is faster), the runner's step returns the
+logits and one of four jitted heads runs after it: greedy or sampled, each with or without
+the structured-output bitmask, picked from what the host already holds (the batch's
+temperatures, `use_mask`). Where the LM head runs on a native kernel that also returns each
+row's argmax, an all-greedy batch asking nothing else skips the head (`native_greedy`).
+Where the platform fuses the head, none of this runs: the step itself ends in
+`step_head.any_head`. A file of its own so model_runner.py holds the step and its
+bookkeeping, and this the head's dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from paged_jax.distributed import tensor_parallel as tp
+from paged_jax.worker.batch_inputs import BatchInputs
+from paged_jax.worker.step_head import StepResult, greedy_head, greedy_head_masked, sampled_head, sampled_head_masked
+
+
+class SplitHeads:
+    """The split heads, jitted once per runner. `k`: the top-K width; `mesh`: logits are
+    replicated over it (sampling runs replicated); `on_trace`: called whenever one of the
+    heads is traced (the runner counts compilations)."""
+
+    def __init__(self, k: int, mesh, on_trace: Callable[[], None]):
+        self.k = k
+        self._on_trace = on_trace
+        shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh), "out_shardings": tp.replicated(mesh)}
+        self._greedy = jax.jit(self._greedy_impl, **shardings)
+        self._sampled = jax.jit(self._sampled_impl, **shardings)
+        self._greedy_masked = jax.jit(self._greedy_masked_impl, **shardings)
+        self._sampled_masked = jax.jit(self._sampled_masked_impl, **shardings)
+
+    def _greedy_impl(self, logits, want_top):
+        self._on_trace()
+        return greedy_head(logits, want_top, k=self.k)
+
+    def _sampled_impl(self, logits, *sampling):
+        self._on_trace()
+        return sampled_head(logits, *sampling, k=self.k)
+
+    def _greedy_masked_impl(self, logits, bitmask, want_top):
+        self._on_trace()
+        return greedy_head_masked(logits, bitmask, want_top, k=self.k)
+
+    def _sampled_masked_impl(self, logits, bitmask, *sampling):
+        self._on_trace()
+        return sampled_head_masked(logits, bitmask, *sampling, k=self.k)
+
+    def run(self, logits, batch: BatchInputs) -> StepResult:
+        """Tokens, logprobs and top-K from the step's logits: the sampler only when a row samples."""
+        sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
+                    batch.want_top)
+        if batch.use_mask[0]:  # a row is under a structured-output constraint
+            if batch.temperature.any():
+                return self._sampled_masked(logits, batch.token_bitmask, *sampling)
+            return self._greedy_masked(logits, batch.token_bitmask, batch.want_top)
+        if batch.temperature.any():
+            return self._sampled(logits, *sampling)
+        return self._greedy(logits, batch.want_top)
+
+    def native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
+        """The step's result straight from the head kernel's argmax (`Linear.head_logits`), for
+        a batch that `greedy_head` would serve with nothing else to compute: every row greedy,
+        no token bitmask, no logprobs asked (`want_top` 0, so its logprobs are the tokens' raw
+        logits and its top-K zeros, as here). The tokens are the first maximum of the very
+        logits the head would read, so they are the same; what is saved is its pass over the
+        [rows, vocab] logits (~3.5 ms of a 64-row SmolLM2 decode step, measured in-process).
+        None where the batch needs the head."""
+        if greedy is None or batch.use_mask[0] or batch.temperature.any() or batch.want_top[0]:
+            return None
+        tokens, best = (np.asarray(a) for a in greedy)
+        k = self.k
+        return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
+
+    def warm_up(self, logits, batch: BatchInputs, structured_outputs: bool) -> None:
+        """Compile every head for the row bucket of `batch` (all padding): greedy and sampled,
+        and both under a mask where the runner serves structured outputs."""
+        sampled = batch._replace(temperature=np.ones_like(batch.temperature))
+        batches = [batch, sampled]
+        if structured_outputs:
+            batches += [b._replace(use_mask=np.ones(1, np.int32)) for b in (batch, sampled)]
+        for b in batches:
+            jax.block_until_ready(self.run(logits, b))
