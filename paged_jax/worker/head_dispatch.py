@@ -53,17 +53,22 @@ class SplitHeads:
         self._on_trace()
         return sampled_head_masked(logits, bitmask, *sampling, k=self.k)
 
-    def run(self, logits, batch: BatchInputs) -> StepResult:
-        """Tokens, logprobs and top-K from the step's logits: the sampler only when a row samples."""
+    def _pick(self, logits, batch: BatchInputs):
+        """(the jitted head, its arguments) for a batch: the sampler only when a row samples."""
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
                     batch.want_top)
         if batch.use_mask[0]:  # a row is under a structured-output constraint
             if batch.temperature.any():
-                return self._sampled_masked(logits, batch.token_bitmask, *sampling)
-            return self._greedy_masked(logits, batch.token_bitmask, batch.want_top)
+                return self._sampled_masked, (logits, batch.token_bitmask, *sampling)
+            return self._greedy_masked, (logits, batch.token_bitmask, batch.want_top)
         if batch.temperature.any():
-            return self._sampled(logits, *sampling)
-        return self._greedy(logits, batch.want_top)
+            return self._sampled, (logits, *sampling)
+        return self._greedy, (logits, batch.want_top)
+
+    def run(self, logits, batch: BatchInputs) -> StepResult:
+        """Tokens, logprobs and top-K from the step's logits."""
+        head, args = self._pick(logits, batch)
+        return head(*args)
 
     def native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
         """The step's result straight from the head kernel's argmax (`Linear.head_logits`), for
@@ -80,11 +85,13 @@ class SplitHeads:
         return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
 
     def warm_up(self, logits, batch: BatchInputs, structured_outputs: bool) -> None:
-        """Compile every head for the row bucket of `batch` (all padding): greedy and sampled,
-        and both under a mask where the runner serves structured outputs."""
+        """Compile, without running, every head for the row bucket of `batch` (all padding;
+        `logits` may be a ShapeDtypeStruct): greedy and sampled, and both under a mask where
+        the runner serves structured outputs."""
         sampled = batch._replace(temperature=np.ones_like(batch.temperature))
         batches = [batch, sampled]
         if structured_outputs:
             batches += [b._replace(use_mask=np.ones(1, np.int32)) for b in (batch, sampled)]
         for b in batches:
-            jax.block_until_ready(self.run(logits, b))
+            head, args = self._pick(logits, b)
+            head.lower(*args).compile()
