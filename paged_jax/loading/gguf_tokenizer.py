@@ -58,14 +58,15 @@ _PRE_TOKENIZERS = {
 }
 
 
-def _metadata(path: str) -> dict:
-    """tokenizer.* metadata (and nothing else) as Python values."""
+def _metadata(path: str, reader=None) -> dict:
+    """tokenizer.* metadata (and nothing else) as Python values (of `reader`, the file already
+    opened, when given)."""
     from paged_jax.loading.gguf_weights import open_gguf  # a truncated file: WeightFileError naming it
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     return {key: value for key, value in reader.fields.items() if key.startswith("tokenizer.")}
 
 
-def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+def load_gguf_tokenizer(path: str, reader=None) -> PreTrainedTokenizerFast:
     """The tokenizer a GGUF file describes, as a `transformers` fast tokenizer.
 
     Control tokens (token type 3, e.g. `<|im_start|>`) become special tokens, matched whole
@@ -74,7 +75,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     only when the file's `tokenizer.ggml.add_bos_token` says so (default: no, except for
     Llama 3's pre-tokenizer, where llama.cpp adds it).
     """
-    meta = _metadata(path)
+    meta = _metadata(path, reader)  # `reader`: the file's GGUFFile, when the caller opened it already
     kind = meta.get("tokenizer.ggml.model")
     if kind not in SUPPORTED_TOKENIZER_MODELS:
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: {list(SUPPORTED_TOKENIZER_MODELS)}")

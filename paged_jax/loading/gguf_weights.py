@@ -171,7 +171,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str, dtype=jnp.float32, shardings=None, reader: GGUFFile | None = None,
+              ) -> tuple[ModelConfig, Params]:
     """Read a GGUF file: (config, params) with params in `model.py`'s layout, cast to dtype.
 
     `shardings(config)` -> (name, shape) -> Sharding (optional, tensor parallelism): the
@@ -180,8 +181,10 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig
 
     Every expected parameter must be present exactly with the shape the metadata
     implies; an unknown tensor name or a missing one is an error, not silently skipped.
+    `reader`: the file already opened (`open_gguf(path)`), so a caller that also builds the
+    tokenizer parses the header once.
     """
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     cfg = gguf_config(reader)
     sharding_of = shardings(cfg) if shardings is not None else None
     shapes = param_shapes(cfg)
