@@ -60,10 +60,15 @@ def _name(path) -> str:
 
 def unstack_layers(params: Params) -> Params:
     """params with `layers` as a tuple of per-layer dicts (one array per layer and name):
-    the serving layout of an unrolled step (`LlamaDecoder(..., unroll_layers=True)`)."""
+    the serving layout of an unrolled step (`LlamaDecoder(..., unroll_layers=True)`).
+
+    One jitted program slices them all: sliced eagerly, each (layer, shape) was a program of
+    its own, hundreds for a 30-layer model, each read back from the persistent compilation
+    cache at every start (about a second of a warm SmolLM2 start, `experiments.startup_time`)."""
     layers = params["layers"]
     num_layers = len(next(iter(jax.tree.leaves(layers))))
-    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))}
+    split = jax.jit(lambda stacked: tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)))
+    return {**params, "layers": split(layers)}
 
 
 def restack_layers(params: Params) -> Params:
@@ -78,8 +83,11 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what De
 def layer_matrices_as(params: Params, pack: Callable[[jnp.ndarray], jnp.ndarray]) -> Params:
     """Every layer's projection matrices converted by `pack` (a `Linear.pack`: the layout its
     `dense` takes, paged_jax/model/linear.py), the other params as they are. Works on stacked
-    layers and on unstack_layers' per-layer dicts; `pack` gets [in, out] or [layers, in, out]."""
+    layers and on unstack_layers' per-layer dicts; `pack` gets [in, out] or [layers, in, out].
+    Jitted (one program for every layer of the same shapes, not one per eager op); for a
+    `pack` that returns its input, call nothing: the result would be a copy."""
 
+    @jax.jit
     def convert(layer: dict) -> dict:
         return {name: pack(a) if name in LAYER_MATRICES else a for name, a in layer.items()}
 
