@@ -71,19 +71,6 @@ _HOOKS = {
 _PACKING = ("pack_unstack_layers", "pack_choose_layout", "pack_layer_matrices", "pack_lm_head")
 
 
-def _cpu_name() -> str:
-    """The CPU's model name, as `lscpu` prints it (from /proc/cpuinfo on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown"
-
-
 class _Timeline:
     """Wall-clock intervals of the hooked phases and JAX's compile events, in seconds
     since the process was spawned."""
@@ -234,6 +221,7 @@ def run_once(label: str, cache_dir: str, kernel_dir: str | None, options: dict) 
 
 def main(argv):
     del argv
+    from experiments.reporting.results_io import cpu_model
     options = {"model": _MODEL.value, "max_num_seqs": _MAX_NUM_SEQS.value,
                "max_num_batched_tokens": _MAX_TOKENS_PER_STEP.value, "max_model_len": _MAX_MODEL_LEN.value,
                "prompt": _PROMPT.value, "max_tokens": _MAX_TOKENS.value}
@@ -252,7 +240,7 @@ def main(argv):
         print(f"{r['run']:>6}: ready {r['ready_s']:6.1f}s  (import {p['import_jax'] + p['import_paged_jax']:.1f}, "
               f"load {p['model_load']}, packing {p['weight_packing']}, warm-up {p['warm_up']}; "
               f"cpu {r['cpu_s']:.1f}s)  first generate {p['first_generate']:.2f}s")
-    figures = {"model": _MODEL.value, "cpu": _cpu_name(), "note": _NOTE.value,
+    figures = {"model": _MODEL.value, "cpu": cpu_model() or "unknown", "note": _NOTE.value,
                "cache_entries_after": cache_files,
                "greedy_outputs_equal": all(r["output_token_ids"] == runs[0]["output_token_ids"] for r in runs),
                "runs": runs}
