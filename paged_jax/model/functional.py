@@ -60,15 +60,10 @@ def _name(path) -> str:
 
 def unstack_layers(params: Params) -> Params:
     """params with `layers` as a tuple of per-layer dicts (one array per layer and name):
-    the serving layout of an unrolled step (`LlamaDecoder(..., unroll_layers=True)`).
-
-    One jitted program slices them all: sliced eagerly, each (layer, shape) was a program of
-    its own, hundreds for a 30-layer model, each read back from the persistent compilation
-    cache at every start (about a second of a warm SmolLM2 start, `experiments.startup_time`)."""
+    the serving layout of an unrolled step (`LlamaDecoder(..., unroll_layers=True)`)."""
     layers = params["layers"]
     num_layers = len(next(iter(jax.tree.leaves(layers))))
-    split = jax.jit(lambda stacked: tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)))
-    return {**params, "layers": split(layers)}
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))}
 
 
 def restack_layers(params: Params) -> Params:
@@ -83,11 +78,8 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what De
 def layer_matrices_as(params: Params, pack: Callable[[jnp.ndarray], jnp.ndarray]) -> Params:
     """Every layer's projection matrices converted by `pack` (a `Linear.pack`: the layout its
     `dense` takes, paged_jax/model/linear.py), the other params as they are. Works on stacked
-    layers and on unstack_layers' per-layer dicts; `pack` gets [in, out] or [layers, in, out].
-    Jitted (one program for every layer of the same shapes, not one per eager op); for a
-    `pack` that returns its input, call nothing: the result would be a copy."""
+    layers and on unstack_layers' per-layer dicts; `pack` gets [in, out] or [layers, in, out]."""
 
-    @jax.jit
     def convert(layer: dict) -> dict:
         return {name: pack(a) if name in LAYER_MATRICES else a for name, a in layer.items()}
 

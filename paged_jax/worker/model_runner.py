@@ -99,8 +99,7 @@ class ModelRunner:
         # how the layers multiply by their matrices, and so the layout they are held in
         self.linear = self.platform.serving_linear(params, model_class, mesh)
         self.weight_layout = self.linear.name
-        if self.weight_layout != "in_out":  # XlaLinear.pack is the identity: nothing to convert
-            self.params = layer_matrices_as(self.params, self.linear.pack)
+        self.params = layer_matrices_as(self.params, self.linear.pack)
         self.takes_linear = "linear" in call_parameters  # a researcher's own class may not
         if not self.takes_linear and self.weight_layout != "in_out":
             raise ValueError(f"{model_class.__name__}.__call__ takes no `linear`, but the platform packed its "
@@ -110,10 +109,7 @@ class ModelRunner:
         self.packed_head = None
         if model_class.compute_logits is LlamaDecoder.compute_logits:
             head = params.get("lm_head")
-            # jitted: one program, not one per eager op (each read back from the compilation cache at start)
-            pack_head = jax.jit(lambda w, transpose: self.linear.pack_head(w.T if transpose else w),
-                                static_argnums=1)
-            self.packed_head = pack_head(params["embed"] if head is None else head, head is None)
+            self.packed_head = self.linear.pack_head(params["embed"].T if head is None else head)
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
