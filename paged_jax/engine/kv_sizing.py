@@ -56,10 +56,11 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
                                                config.tensor_parallel_size)  # the budget is per device
     # platform defaults for what was left open, never above what was set (a token budget or the
     # largest bucket given): a setting the user made is never refused for a default's sake
-    max_num_seqs = config.max_num_seqs or min(defaults.max_num_seqs, config.max_num_batched_tokens or 2**31,
-                                              config.seq_buckets[-1] if config.seq_buckets else 2**31)
-    max_num_batched_tokens = config.max_num_batched_tokens or max(
-        max_num_seqs, min(defaults.max_num_batched_tokens, config.token_buckets[-1] if config.token_buckets else 2**31))
+    seq_caps = [cap for cap in (config.max_num_batched_tokens, config.seq_buckets and config.seq_buckets[-1]) if cap]
+    max_num_seqs = config.max_num_seqs or min([defaults.max_num_seqs, *seq_caps])
+    token_caps = [config.token_buckets[-1]] if config.token_buckets else []
+    max_num_batched_tokens = config.max_num_batched_tokens or max(max_num_seqs,
+                                                                  min([defaults.max_num_batched_tokens, *token_caps]))
     resolved = dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
                                    attention_backend=backend, kv_cache_dtype=kv_dtype,
                                    layer_loop=defaults.layer_loop if config.layer_loop == "auto" else config.layer_loop,

@@ -1,6 +1,7 @@
 """Opt-in persistent XLA compilation cache, so warm-up compiles are paid once per machine.
 
-Called explicitly by entry points and tests; importing paged_jax changes no JAX setting.
+Called explicitly by entry points (the server, `LLM(...)` unless told not to) and tests;
+importing paged_jax changes no JAX setting.
 
 Every program is stored, however quickly it compiled (JAX's default stores only those that
 took over 1 s). Why: a warm start compiles whatever the cache lacks, and on a CPU most of
@@ -8,7 +9,8 @@ an engine's programs compile in well under a second (the sampling heads, small b
 the eager ops of weight packing) but together cost seconds. SmolLM2-135M with default
 settings compiles 56 programs: with a 0.5 s threshold 24 were stored and a warm start
 still spent 4.2 s in the compiler; with none, all 56 were read back and it spent 2.0 s
-(reads included), on 2 shared cores (`python -m experiments.startup_time` records it).
+(reads included), on 2 shared cores (one-off runs of `python -m experiments.startup_time`,
+whose record reports a start's compile events).
 """
 
 from __future__ import annotations

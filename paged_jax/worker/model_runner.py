@@ -217,7 +217,7 @@ class ModelRunner:
         """Prompt logprobs of PROMPT_LOGPROB_ROWS rows of final hidden states: the step's
         logits computation (`_step_impl`), then `prompt_logprob_head`. A call of its own,
         run only in steps with such rows, so no other step holds [tokens, vocab] logits."""
-        self.num_compilations += 1
+        self._count_trace()
         model = nnx.merge(self.graphdef, restack_layers(params) if self.unroll_layers else params)
         if packed_head is not None:
             logits = self.linear.head_logits(hidden, packed_head, argmax=False)
@@ -251,13 +251,13 @@ class ModelRunner:
 
         The steps and heads are lowered and compiled, not run (`jit(...).lower(...).compile()`
         fills the same caches a call does, so the first real step neither traces nor
-        compiles): running every padded bucket once cost 2.4-2.8 s of a 14 s warm start of
-        SmolLM2 at 12 buckets on 2 cores, and more with 1024-token buckets
-        (`python -m experiments.startup_time`)."""
+        compiles, `tests/worker/test_warm_up.py`): running every padded bucket once was a
+        second or more of a warm SmolLM2 start on 2 cores, more with 1024-token buckets
+        (one-off runs of `python -m experiments.startup_time`)."""
         # Tracing makes many objects, and each full collection then walks every object the
         # process holds (the loaded model's, the tokenizer's, the imported libraries'): frozen
-        # for the warm-up's length, the collector looks only at what warm-up creates (a warm
-        # start of SmolLM2: warm-up 5.9 s against 7.0 s, 2 cores, `experiments.startup_time`);
+        # for the warm-up's length, the collector looks only at what warm-up creates (about a
+        # second less warm-up for SmolLM2 on 2 cores in one-off runs of `experiments.startup_time`);
         # unfrozen after, so nothing stays pinned
         gc.freeze()
         try:
