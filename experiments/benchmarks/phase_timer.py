@@ -20,6 +20,9 @@ class PhaseTimer:
         self._wrap(core.stats_tracker, "record_schedule", "stats")
         self._wrap(core.stats_tracker, "record_step", "stats")
         self._wrap(core.runner, "execute", "execute")
+        if callable(getattr(core.runner, "dispatch", None)):  # async scheduling's pair: the same phase
+            self._wrap(core.runner, "dispatch", "execute")
+            self._wrap(core.runner, "fetch", "execute")
         self._wrap(core, "step", "core_step")
         self._runner, self._engine_step = core.runner, engine.step
         engine.step = self._step
@@ -62,6 +65,21 @@ def decode_steps(engine, prompts, params, timer: PhaseTimer) -> list[dict]:
         if len(log) > logged and log[-1][0] == log[-1][1] == len(prompts):
             steps.append(timer.steps[-1])
     return steps
+
+
+def device_step_seconds(runner, batch, iters: int = 20) -> float:
+    """The device's own time for one step of `batch`: `iters` steps dispatched back to back
+    (the device's queue never empties, so no host time is in between), over iters. A batch
+    the engine ran (`ModelRunner.dispatch(...).batch`), run again after the engine is idle:
+    it rewrites K/V in free blocks only."""
+    import jax
+
+    jax.block_until_ready(runner._launch(batch, None))  # noqa: SLF001 (the runner's dispatch, no host work)
+    start = time.perf_counter()
+    for _ in range(iters):
+        result = runner._launch(batch, None)
+    jax.block_until_ready(result)
+    return (time.perf_counter() - start) / iters
 
 
 def summarize(steps: list[dict]) -> dict:

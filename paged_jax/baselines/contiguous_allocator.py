@@ -199,10 +199,11 @@ class ContiguousAllocator:
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None, cached_blocks=(),
                        extra_keys: tuple = (), final_num_tokens: int | None = None,
-                       cache_salt: str | None = None) -> list | None:
+                       cache_salt: str | None = None, num_known_tokens: int | None = None) -> list | None:
         """Admit a new sequence (reserve its run first-fit; None if no gap fits) or grow one
         inside its run. Returns [] (no copy orders). Growing past the reservation, or
-        shrinking, is a ValueError."""
+        shrinking, is a ValueError. `num_known_tokens` (the paged manager's prefix-cache
+        limit) has no use here: no prefix cache."""
         check_int("num_total_tokens", num_total_tokens, 0)
         if cached_blocks:
             raise ValueError("contiguous allocators have no prefix cache")

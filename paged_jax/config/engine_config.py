@@ -82,6 +82,10 @@ class EngineConfig:
     # sharing_savings; engine/stats.py): each costs a Python pass over the sequences every step, so servers and
     # notebooks leave them off (their keys are None); the experiments that record them turn them on
     paper_metrics: bool = False  # keep the paper's KV utilization, waste and sharing figures (a pass per step)
+    # schedule and dispatch step N+1 while step N runs on the device; N's tokens feed N+1 on the device
+    # and the host reads them while N+1 runs (vLLM v1's async scheduling; engine/engine_core.py). Outputs
+    # then lag one step. None: the platform's (on for GPU/TPU, off on CPU); False: strictly in sequence
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -113,6 +117,8 @@ class EngineConfig:
                              "enter the prefix cache")
         if not isinstance(self.paper_metrics, bool):
             raise ValueError(f"paper_metrics must be True or False, got {self.paper_metrics!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.pool_check not in POOL_CHECKS:
             raise ValueError(f"pool_check must be one of {POOL_CHECKS}, got {self.pool_check!r}")
         if self.layer_loop not in LAYER_LOOPS:

@@ -183,11 +183,23 @@ class BlockManager:
         """Forget every cached block (running sequences keep theirs); returns how many."""
         return self._device.reset_cache()
 
-    def _cache_full_blocks(self, seq_id: int, tokens) -> None:
-        """Register the sequence's newly full blocks (prefix_cache.register_full_blocks)."""
+    def _cache_full_blocks(self, seq_id: int, tokens, num_known_tokens: int | None) -> None:
+        """Register the sequence's newly full blocks (prefix_cache.register_full_blocks), of
+        its first `num_known_tokens` tokens (None: all)."""
+        num_tokens = self._num_tokens[seq_id]
+        if num_known_tokens is not None:
+            num_tokens = min(num_tokens, num_known_tokens)
         register_full_blocks(self._device, self._tables[seq_id], self._keys.setdefault(seq_id, []),
-                             self._num_tokens[seq_id] // self.block_size, tokens, self.block_size,
+                             num_tokens // self.block_size, tokens, self.block_size,
                              self._extra_keys.get(seq_id, ()), self._salts.get(seq_id))
+
+    def cache_known_blocks(self, seq_id: int, tokens, num_known_tokens: int) -> None:
+        """Register the full blocks of a resident sequence's first `num_known_tokens` tokens
+        that `allocate_slots` could not (async scheduling: their last ids were still on the
+        device then), so a block filled by a sequence's last computed token is cached before
+        the sequence finishes, as without async scheduling."""
+        if self.enable_prefix_caching and seq_id in self._tables and seq_id not in self._swap.swapped:
+            self._cache_full_blocks(seq_id, tokens, num_known_tokens)
 
     # ------------------------------------------------------------------ admission and growth
 
@@ -218,12 +230,15 @@ class BlockManager:
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int, *, tokens=None,
                        cached_blocks: list[KVCacheBlock] = (), extra_keys: tuple = (),
-                       cache_salt: str | None = None, final_num_tokens=None) -> list[tuple[int, int]] | None:
+                       cache_salt: str | None = None, final_num_tokens=None,
+                       num_known_tokens: int | None = None) -> list[tuple[int, int]] | None:
         """Make `seq_id` hold slots for `num_total_tokens` tokens; create it if new.
 
         A new sequence may start from `cached_blocks` (from `find_cached_prefix`); with
         prefix caching on and `tokens` given (`tokens(start, end)` -> token ids), the
-        blocks this call makes full are registered in the cache. `extra_keys` (in every
+        blocks this call makes full are registered in the cache, as far as the first
+        `num_known_tokens` tokens (None: all; async scheduling allocates slots for tokens
+        still on the device, whose ids `tokens` cannot give yet). `extra_keys` (in every
         block's key) and `cache_salt` (in the first block's, so in the whole chain) are
         taken from new sequences only, and must match the lookup that found the hits.
 
@@ -246,8 +261,9 @@ class BlockManager:
                 self._num_tokens[seq_id] = num_total_tokens
                 if self.enable_prefix_caching and tokens is not None:
                     keys = self._keys.get(seq_id)
-                    if keys is None or len(keys) < num_total_tokens // self.block_size:
-                        self._cache_full_blocks(seq_id, tokens)
+                    known = num_total_tokens if num_known_tokens is None else min(num_total_tokens, num_known_tokens)
+                    if keys is None or len(keys) < known // self.block_size:
+                        self._cache_full_blocks(seq_id, tokens, num_known_tokens)
                 return []
             # Growth without copy-on-write (the last block is full or private): new blocks
             # at the end, the general path's effect without its validation of a new call
@@ -261,7 +277,7 @@ class BlockManager:
                 table.extend(self._device.get_new_blocks(num_new))
                 self._num_tokens[seq_id] = num_total_tokens
                 if self.enable_prefix_caching and tokens is not None:
-                    self._cache_full_blocks(seq_id, tokens)
+                    self._cache_full_blocks(seq_id, tokens, num_known_tokens)
                 return []
         check_int("num_total_tokens", num_total_tokens, 0)
         check_salt(cache_salt)
@@ -308,7 +324,7 @@ class BlockManager:
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_total_tokens
         if self.enable_prefix_caching and tokens is not None:
-            self._cache_full_blocks(seq_id, tokens)
+            self._cache_full_blocks(seq_id, tokens, num_known_tokens)
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:

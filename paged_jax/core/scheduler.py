@@ -248,6 +248,8 @@ class Scheduler:
         """(cached blocks, cached tokens, tokens to compute now) if waiting `seq` fits
         `budget` tokens and the free blocks (watermark kept), else None."""
         bm = self.block_manager
+        if seq.num_pending:  # preempted with a token in flight: admitted once the engine has read it
+            return None
         hits = ([] if seq.skip_reading_prefix_cache
                 else bm.find_cached_prefix(seq.token_ids, seq.num_tokens, cache_salt=seq.cache_salt,
                                           memo=seq.prefix_keys))
@@ -270,7 +272,15 @@ class Scheduler:
         """Tokens schedule()'s first phase gives running `seq` when `budget` tokens of the
         step are left (a decode: 1; a prefill: all missing, or with chunked prefill what
         fits)."""
+        if seq.num_pending and self._ends_at_pending(seq):
+            return 0  # its pending token is its last (length): nothing to compute for it
         return self._fit_budget(max(seq.num_tokens_to_compute - seq.num_computed_tokens, 0), budget)
+
+    def _ends_at_pending(self, seq: Sequence) -> bool:
+        """Whether the length limit ends `seq` at its pending token (async scheduling: the
+        engine finishes it once it reads the token; computing the token's K/V would be waste)."""
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _to_running(self, seq: Sequence) -> None:
         if self.priority is None:
@@ -288,7 +298,7 @@ class Scheduler:
         """Grow `seq` by `num_new` slots and add its chunk; False (nothing changed) if the
         device lacks blocks."""
         orders = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
-                                                   tokens=seq.token_ids)
+                                                   tokens=seq.token_ids, num_known_tokens=seq.num_known_tokens)
         if orders is None:
             return False
         plan.copies.extend(orders)

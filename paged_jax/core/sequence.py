@@ -12,6 +12,10 @@ import enum
 
 from paged_jax.core.sampling_params import SamplingParams
 
+# The id a token sampled on the device but not yet read back stands under (`num_pending`):
+# the runner takes the real id from the device, where the step that sampled it left it.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted by recompute
@@ -73,10 +77,24 @@ class Sequence:
     # Prompt logprobs: how many prompt positions (from position 1) the engine has reported, so
     # a prefill recomputed after a preemption does not report them twice.
     num_prompt_logprobs: int = 0
+    # Async scheduling: tokens sampled by dispatched steps whose ids the host has not read yet.
+    # They count as tokens of the sequence (the scheduler schedules their K/V like any sampled
+    # token) and read as PENDING_TOKEN; the engine appends the real id once it reads it.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host holds (all but the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def final_num_tokens(self) -> int:
@@ -96,7 +114,10 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
+        """Tokens [start, end) of prompt + output; pending ones read as PENDING_TOKEN."""
+        if self.num_pending and end > self.num_known_tokens:
+            known = self.num_known_tokens
+            return self.token_ids(min(start, known), known) + [PENDING_TOKEN] * (end - max(start, known))
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
@@ -110,6 +131,3 @@ class Sequence:
         to be forked from it, all but the last (each fork computes that one itself)."""
         return self.num_tokens - 1 if self.pending_forks else self.num_tokens
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from paged_jax.core.beam_search import BeamSearchParams, BeamSearchState, num_ca
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence, SequenceStatus
 from paged_jax.engine.beam_orchestration import advance_beams, beam_results
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
@@ -37,7 +39,7 @@ from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_max_t
 from paged_jax.engine.grammar_matchers import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
-from paged_jax.worker.model_runner import ModelRunner
+from paged_jax.worker.model_runner import DispatchedStep, ModelRunner
 
 _GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
 
@@ -57,6 +59,15 @@ def paged_allocator(config: EngineConfig, num_host_blocks: int) -> BlockManager:
                         watermark=config.watermark, enable_prefix_caching=config.enable_prefix_caching)
 
 
+class _InFlight(NamedTuple):
+    """A dispatched step whose tokens the host has not read (async scheduling)."""
+
+    output: SchedulerOutput
+    handle: DispatchedStep
+    sampled: list[tuple[int, Sequence]]  # (row, sequence) of the chunks that sample (Scheduler.update)
+    feed_rows: dict[int, int]  # sequence id -> its row: where the next step finds its token on the device
+
+
 @dataclasses.dataclass
 class _CoreRequest:
     request_id: str
@@ -66,6 +77,8 @@ class _CoreRequest:
     arrival_time: float
     root: Sequence  # the first sequence: its prefix-cache hits are the request's num_cached_tokens
     beam: BeamSearchState | None = None
+    # a beam search or structured outputs: its next step needs its tokens on the host (`_needs_tokens_now`)
+    host_fed: bool = False
     # prompt logprobs computed since the request's last output: (token, logprob, rank, top-k)
     pending_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = dataclasses.field(
         default_factory=list)
@@ -100,6 +113,7 @@ class EngineCore:
         paged_jax/entrypoints/allocators.py, above the engine, which knows only their
         interface). `show_progress`: a bar on stderr over the buckets warm-up compiles."""
         self.model_config = model_config
+        self._asked_async = config.async_scheduling  # None: the platform's default
         self.config = resolve_config(config, model_config, check_memory=params is not None)  # model-free: no arrays
         config = self.config
         block_bytes = bytes_per_block(model_config, config.block_size, config.kv_cache_dtype)
@@ -115,6 +129,13 @@ class EngineCore:
                                      num_host_blocks=num_host_blocks, **extra)
         self._clock = clock
         self.runner.warm_up(progress=show_progress)
+        # async scheduling needs a runner that dispatches without waiting (ModelRunner.dispatch); the
+        # simulator's model-free runners step in sequence, which the platform's default then gives them
+        self.async_scheduling = bool(config.async_scheduling) and callable(getattr(self.runner, "dispatch", None))
+        self._cache_resolved_blocks = self.async_scheduling and config.enable_prefix_caching
+        if config.async_scheduling and not self.async_scheduling and self._asked_async:
+            raise ValueError(f"async_scheduling=True needs a runner with dispatch/fetch; "
+                             f"{type(self.runner).__name__} has none")
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner,
                                          paper_metrics=config.paper_metrics)
         self.pool_checker = PoolChecker(config.pool_check)  # leaks reported after steps and aborts
@@ -123,6 +144,8 @@ class EngineCore:
         self._next_seq_id = 0
         self._rng = np.random.default_rng(config.seed)
         self._prompt_limits = (self.config.max_model_len, model_config.vocab_size)  # validate_prompt_token_ids
+        self._num_host_fed = 0  # live requests with host_fed (beam search, structured outputs)
+        self._in_flight: _InFlight | None = None  # async scheduling: the step dispatched last, not yet read
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | ProcessedPrompt,
@@ -157,6 +180,8 @@ class EngineCore:
             request = self._beam_request(request_id, token_ids, params, now, cache_salt)
         else:
             request = self._sampling_request(request_id, token_ids, params, now, cache_salt)
+        request.host_fed = request.beam is not None or params.structured_outputs is not None  # (a beam request never reads the field: it has none)
+        self._num_host_fed += request.host_fed
         self._requests[request_id] = request
         for seq in request.seqs:
             seq.priority = int(priority)  # forked completions and beams inherit it (_fork_of)
@@ -214,6 +239,7 @@ class EngineCore:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self._num_host_fed -= request.host_fed
         for seq in request.seqs:
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -257,7 +283,7 @@ class EngineCore:
             raise ValueError("this engine was built without kv_transfer=True (EngineConfig): it moves no prompt K/V")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is queued or running (not finished, aborted or unknown)."""
@@ -273,27 +299,104 @@ class EngineCore:
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run one jitted step, and return the requests that moved or finished
-        (beam searches: only once done)."""
+        (beam searches: only once done). With async scheduling, the step scheduled now runs
+        on the device while the host reads and processes the one before, whose outputs
+        this returns (`_step_async`)."""
+        if self.async_scheduling:
+            return self._step_async()
         host_start = time.perf_counter()
+        output = self._schedule()
+        if output is None:
+            return []
+        device_before = self.runner.device_seconds
+        result = self.runner.execute(output, self._seqs, **self._bitmask(output))
+        outputs = self._process(output, result, self.scheduler.update(output, self._seqs))
+        self.stats_tracker.record_step(output, time.perf_counter() - host_start,
+                                       self.runner.device_seconds - device_before)
+        self.pool_checker.check(self)
+        return outputs
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """vLLM v1's async scheduling: schedule and dispatch step N+1 while step N runs, then
+        read and process N. A sequence N sampled for is scheduled in N+1 with its token
+        pending (`Sequence.num_pending`): the device feeds N's token to N+1 (the runner's
+        token feed), so N+1 never waits for the host. Stop checks and outputs therefore lag
+        one step: a sequence that N finished may have run in N+1 too, and whatever N+1
+        sampled for it is dropped (`_process`); its blocks were freed once, by N's
+        processing, and no step dispatched after N+1 reads them before N+1 wrote them (the
+        device runs steps in order). Steps with rows that need their tokens on the host
+        before the next step can be scheduled (beam search picks the next beams on the
+        host; a structured-output row's next bitmask needs its token) are read at once,
+        as without async scheduling (`_needs_tokens_now`)."""
+        host_start = time.perf_counter()
+        previous = self._in_flight
+        output = self._schedule()  # while `previous` runs
+        self._in_flight = None
+        step = None
+        if output is not None:
+            device_before = self.runner.device_seconds
+            feed_rows = previous.feed_rows if previous is not None else None
+            handle = self.runner.dispatch(output, self._seqs, feed_rows=feed_rows, **self._bitmask(output))
+            sampled = self.scheduler.update(output, self._seqs)
+            for _, seq in sampled:
+                seq.num_pending += 1
+            step = _InFlight(output, handle, sampled, {seq.seq_id: row for row, seq in sampled})
+        outputs = []
+        if previous is not None:
+            outputs = self._process(previous.output, self.runner.fetch(previous.handle), previous.sampled)
+        if step is not None:
+            if self._needs_tokens_now(output):
+                outputs += self._process(output, self.runner.fetch(step.handle), step.sampled)
+            else:
+                self._in_flight = step
+            self.stats_tracker.record_step(output, time.perf_counter() - host_start,
+                                           self.runner.device_seconds - device_before)
+        self.pool_checker.check(self)
+        return outputs
+
+    def _schedule(self):
+        """The scheduler's next step, or None when it schedules nothing."""
         output = self.scheduler.schedule()
         self.stats_tracker.record_schedule(output)
         if output.is_empty:
-            if self.scheduler.has_unfinished():  # a step that schedules nothing changes nothing
+            # a step that schedules nothing changes nothing, unless the step in flight does
+            if self.scheduler.has_unfinished() and self._in_flight is None:
                 raise RuntimeError(f"the scheduler cannot make progress: {self.stats()}")
-            return []
-        device_before = self.runner.device_seconds
+            return None
+        return output
+
+    def _bitmask(self, output) -> dict:
+        """The runner's token_bitmask argument for a step with structured-output rows: a
+        function the runner calls when it needs the mask (off CPU, while its model step runs)."""
         so = self.structured_outputs
         if so is not None and so.has_constrained_rows(output.chunks, self._seqs):
-            # a function: the runner calls it when it needs the mask (off CPU, while its model step runs)
-            result = self.runner.execute(output, self._seqs,
-                                         token_bitmask=lambda: so.bitmask(output.chunks, self._seqs))
-        else:
-            result = self.runner.execute(output, self._seqs)
+            return {"token_bitmask": lambda: so.bitmask(output.chunks, self._seqs)}
+        return {}
+
+    def _needs_tokens_now(self, output) -> bool:
+        """Whether a row of `output` belongs to a beam search or a structured-output request:
+        their next step needs this step's tokens on the host (`_step_async`)."""
+        if not self._num_host_fed:
+            return False
+        for chunk in output.chunks:
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is not None and self._requests[seq.request_id].host_fed:
+                return True
+        return False
+
+    def _process(self, output, result, sampled) -> list[EngineCoreOutput]:
+        """Append what a step sampled to its sequences and build the requests' outputs.
+        `sampled`: (row, sequence) of the chunks that sampled (Scheduler.update). Sequences
+        finished or dropped since the step was scheduled (async scheduling) are skipped."""
         now = self._clock()
         if result.prompt is not None:
             self._record_prompt_logprobs(output, result.prompt)
         moved: dict[str, list[CompletionDelta]] = {}
-        for row, seq in self.scheduler.update(output, self._seqs):
+        for row, seq in sampled:
+            if seq.num_pending:
+                seq.num_pending -= 1
+            if seq.status.finished:  # stopped by the step before, a stop string, or an abort
+                continue
             request = self._requests[seq.request_id]
             deltas = moved.setdefault(seq.request_id, [])
             if seq.first_token_time is None:
@@ -317,14 +420,14 @@ class EngineCore:
             request.pending_prompt_logprobs = []
             if request.finished:
                 self._drop(request)
-        self.stats_tracker.record_step(output, time.perf_counter() - host_start,
-                                       self.runner.device_seconds - device_before)
-        self.pool_checker.check(self)
         return outputs
 
     def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
         token = int(result.tokens[row])
         seq.output_token_ids.append(token)
+        known = seq.num_known_tokens
+        if self._cache_resolved_blocks and known % self.config.block_size == 0 and seq.num_computed_tokens >= known:
+            self.block_manager.cache_known_blocks(seq.seq_id, seq.token_ids, known)  # a block whose K/V it completed
         # the runner computes logprobs only for a batch with a row that asked for them (else its logprob slot
         # holds the raw logit): a completion that did not ask gets None, as in vLLM, never a value that
         # depends on its batch neighbours
@@ -357,7 +460,9 @@ class EngineCore:
         Positions come in order; after a recompute preemption a prefill scores its prompt
         again, and positions already reported are skipped."""
         for i, row in enumerate(prompt.rows.tolist()):
-            seq = self._seqs[output.chunks[row].seq_id]
+            seq = self._seqs.get(output.chunks[row].seq_id)
+            if seq is None:  # dropped since the step was scheduled (async scheduling)
+                continue
             index = int(prompt.positions[i]) + 1  # the prompt token scored
             if index <= seq.num_prompt_logprobs:
                 continue
@@ -381,6 +486,7 @@ class EngineCore:
 
     def _drop(self, request: _CoreRequest) -> None:
         del self._requests[request.request_id]
+        self._num_host_fed -= request.host_fed
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
             if self.structured_outputs is not None:

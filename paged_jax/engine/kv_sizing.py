@@ -36,7 +36,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
     """Fill what was left open from the model and the platform (paged_jax/platform/, default
     the one of JAX's default backend): max_model_len, num_blocks, the attention backend
     behind "auto", the KV cache's dtype, the layer loop, and the platform's defaults for
-    max_num_seqs / max_num_batched_tokens / the KV budget. With `check_memory` (an engine
+    max_num_seqs / max_num_batched_tokens / the KV budget, and async scheduling. With `check_memory` (an engine
     that allocates its cache; not a simulated one), a cache larger than the devices' free
     memory is a ValueError naming the largest that fits."""
     platform = platform or current_platform()
@@ -64,7 +64,9 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
     resolved = dataclasses.replace(config, max_model_len=max_model_len, num_blocks=max(int(num_blocks), 2),
                                    attention_backend=backend, kv_cache_dtype=kv_dtype,
                                    layer_loop=defaults.layer_loop if config.layer_loop == "auto" else config.layer_loop,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   async_scheduling=(platform.async_scheduling if config.async_scheduling is None
+                                                     else config.async_scheduling))
     if check_memory:
         check_fits_memory(resolved, config, model_config)
         check_swap_fits_host(resolved, model_config)

@@ -58,6 +58,9 @@ class Platform:
     # per step cost the most where a device computes and the host waits; the CPU splits them
     # (paged_jax/worker/step_head.py says why that measured faster there)
     fused_head: bool = True
+    # async scheduling (EngineConfig.async_scheduling's default): the host schedules and prepares
+    # step N+1 and reads step N's tokens while N+1 runs, so the device does not wait on the host
+    async_scheduling: bool = True
 
     def available_backends(self) -> tuple[str, ...]:
         """The attention backends that run here."""

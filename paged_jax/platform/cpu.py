@@ -41,6 +41,8 @@ class CpuPlatform(Platform):
                               kv_cache_memory_bytes=DEFAULT_KV_CACHE_MEMORY_BYTES, layer_loop="unroll")
     overlap_host_work = False
     fused_head = False  # the head as its own call: the sampler's temporaries fault pages here (step_head.py)
+    # the "device" is these same cores: host work during a step competes with the step's XLA threads
+    async_scheduling = False
 
     def available_backends(self) -> tuple[str, ...]:
         return (("native",) if build.available() else ()) + PORTABLE_BACKENDS

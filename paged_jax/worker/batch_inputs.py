@@ -13,12 +13,16 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from paged_jax.core.scheduler_output import SchedulerOutput
-from paged_jax.core.sequence import Sequence
+from paged_jax.core.sequence import PENDING_TOKEN, Sequence
 from paged_jax.worker.block_tables import HostBlockTables
 
 
 class BatchInputs(NamedTuple):
     token_ids: np.ndarray  # i32[T]
+    # i32[T]: where a token is still on the device (async scheduling: sampled by the step before,
+    # not yet read back; its token_ids entry is PENDING_TOKEN), that step's row, whose token the
+    # runner's device-side feed holds; else -1
+    feed_rows: np.ndarray
     positions: np.ndarray  # i32[T]
     slot_mapping: np.ndarray  # i32[T]; num_blocks * block_size for padding
     block_tables: np.ndarray  # i32[S, max_blocks_per_seq]
@@ -76,10 +80,14 @@ def all_batch_shapes(seq_buckets, token_buckets) -> list[tuple[int, int]]:
 
 def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables: HostBlockTables, *,
                   block_size: int, num_blocks: int, seq_buckets, token_buckets, max_copies: int,
-                  token_bitmask: np.ndarray | None = None, mask_words: int = 1) -> BatchInputs:
+                  token_bitmask: np.ndarray | None = None, mask_words: int = 1,
+                  feed_rows: Mapping[int, int] | None = None) -> BatchInputs:
     """The step's padded arrays; applies the step's block-table updates to `tables`.
     `token_bitmask`: i32[chunks, mask_words], the allowed tokens of each chunk's row (from
-    the structured-output constraints), or None when no row has one."""
+    the structured-output constraints), or None when no row has one. `feed_rows`: sequence
+    id -> its row in the step dispatched before this one, for sequences whose last token
+    that step sampled and the host has not read (async scheduling; the chunk's last token
+    is then PENDING_TOKEN)."""
     chunks = output.chunks
     num_seqs, num_tokens = len(chunks), output.num_batched_tokens
     S, T = batch_shape(seq_buckets, token_buckets, num_seqs, num_tokens)
@@ -93,6 +101,8 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
         n, start = chunk.num_tokens, chunk.start_position
         span = slice(cursor, cursor + n)
         table = tables.update(chunk)
+        if chunk.token_ids[-1] == PENDING_TOKEN:  # only ever the last: one step is in flight at a time
+            b.feed_rows[cursor + n - 1] = _feed_row(feed_rows, chunk.seq_id)
         if n == 1:  # decode: no arrays to build for one token
             b.token_ids[cursor], b.positions[cursor] = chunk.token_ids[0], start
             b.slot_mapping[cursor] = table[start // block_size] * block_size + start % block_size
@@ -114,7 +124,7 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
             b.want_top[0] = 2
         elif sp.logprobs is not None:
             b.want_top[0] = max(b.want_top[0], 1)
-        b.sample_index[row] = len(seq.output_token_ids)
+        b.sample_index[row] = seq.num_output_tokens  # pending ones count: they were sampled
         if sp.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
             scored = min(n, seq.num_prompt_tokens - 1 - start)  # positions start .. start + scored - 1
             b.prompt_targets[cursor - n:cursor - n + scored] = seq.prompt_token_ids[start + 1:start + 1 + scored]
@@ -126,10 +136,17 @@ def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables:
     return b
 
 
+def _feed_row(feed_rows: Mapping[int, int] | None, seq_id: int) -> int:
+    row = None if feed_rows is None else feed_rows.get(seq_id)
+    if row is None:
+        raise ValueError(f"sequence {seq_id} has a pending token, but the step before did not sample it")
+    return row
+
+
 def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int, mask_words: int = 1) -> BatchInputs:
     """An all-padding batch: writes nothing, reads only the null block (also warm-up's input)."""
     return BatchInputs(
-        token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+        token_ids=np.zeros(T, np.int32), feed_rows=np.full(T, -1, np.int32), positions=np.zeros(T, np.int32),
         slot_mapping=np.full(T, pad_slot, np.int32), block_tables=np.zeros((S, width), np.int32),
         context_lens=np.zeros(S, np.int32), query_start_loc=np.zeros(S + 1, np.int32),
         logits_indices=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),

@@ -32,42 +32,44 @@ class SplitHeads:
         self.k = k
         self._on_trace = on_trace
         shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh), "out_shardings": tp.replicated(mesh)}
-        self._greedy = jax.jit(self._greedy_impl, **shardings)
-        self._sampled = jax.jit(self._sampled_impl, **shardings)
-        self._greedy_masked = jax.jit(self._greedy_masked_impl, **shardings)
-        self._sampled_masked = jax.jit(self._sampled_masked_impl, **shardings)
+        # the token feed (argument 1) is donated: each head writes its tokens into it (`_fed`)
+        self._greedy = jax.jit(self._greedy_impl, donate_argnums=(1,), **shardings)
+        self._sampled = jax.jit(self._sampled_impl, donate_argnums=(1,), **shardings)
+        self._greedy_masked = jax.jit(self._greedy_masked_impl, donate_argnums=(1,), **shardings)
+        self._sampled_masked = jax.jit(self._sampled_masked_impl, donate_argnums=(1,), **shardings)
 
-    def _greedy_impl(self, logits, want_top):
+    def _greedy_impl(self, logits, feed, want_top):
         self._on_trace()
-        return greedy_head(logits, want_top, k=self.k)
+        return _fed(greedy_head(logits, want_top, k=self.k), feed)
 
-    def _sampled_impl(self, logits, *sampling):
+    def _sampled_impl(self, logits, feed, *sampling):
         self._on_trace()
-        return sampled_head(logits, *sampling, k=self.k)
+        return _fed(sampled_head(logits, *sampling, k=self.k), feed)
 
-    def _greedy_masked_impl(self, logits, bitmask, want_top):
+    def _greedy_masked_impl(self, logits, feed, bitmask, want_top):
         self._on_trace()
-        return greedy_head_masked(logits, bitmask, want_top, k=self.k)
+        return _fed(greedy_head_masked(logits, bitmask, want_top, k=self.k), feed)
 
-    def _sampled_masked_impl(self, logits, bitmask, *sampling):
+    def _sampled_masked_impl(self, logits, feed, bitmask, *sampling):
         self._on_trace()
-        return sampled_head_masked(logits, bitmask, *sampling, k=self.k)
+        return _fed(sampled_head_masked(logits, bitmask, *sampling, k=self.k), feed)
 
-    def _pick(self, logits, batch: BatchInputs):
+    def _pick(self, logits, feed, batch: BatchInputs):
         """(the jitted head, its arguments) for a batch: the sampler only when a row samples."""
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
                     batch.want_top)
         if batch.use_mask[0]:  # a row is under a structured-output constraint
             if batch.temperature.any():
-                return self._sampled_masked, (logits, batch.token_bitmask, *sampling)
-            return self._greedy_masked, (logits, batch.token_bitmask, batch.want_top)
+                return self._sampled_masked, (logits, feed, batch.token_bitmask, *sampling)
+            return self._greedy_masked, (logits, feed, batch.token_bitmask, batch.want_top)
         if batch.temperature.any():
-            return self._sampled, (logits, *sampling)
-        return self._greedy, (logits, batch.want_top)
+            return self._sampled, (logits, feed, *sampling)
+        return self._greedy, (logits, feed, batch.want_top)
 
-    def run(self, logits, batch: BatchInputs) -> StepResult:
-        """Tokens, logprobs and top-K from the step's logits."""
-        head, args = self._pick(logits, batch)
+    def run(self, logits, feed, batch: BatchInputs) -> tuple[StepResult, jax.Array]:
+        """Tokens, logprobs and top-K from the step's logits (device arrays, not waited for),
+        and the token feed (donated) with the tokens written into its first rows."""
+        head, args = self._pick(logits, feed, batch)
         return head(*args)
 
     def native_greedy(self, greedy, batch: BatchInputs) -> StepResult | None:
@@ -80,18 +82,24 @@ class SplitHeads:
         None where the batch needs the head."""
         if greedy is None or batch.use_mask[0] or batch.temperature.any() or batch.want_top[0]:
             return None
-        tokens, best = (np.asarray(a) for a in greedy)
-        k = self.k
-        return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
+        tokens, best = greedy  # device arrays: the host reads them when it needs them
+        rows, k = tokens.shape[0], self.k
+        return StepResult(tokens, best, np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32))
 
-    def warm_up(self, logits, batch: BatchInputs, structured_outputs: bool) -> None:
+    def warm_up(self, logits, feed, batch: BatchInputs, structured_outputs: bool) -> None:
         """Compile, without running, every head for the row bucket of `batch` (all padding;
-        `logits` may be a ShapeDtypeStruct): greedy and sampled, and both under a mask where
-        the runner serves structured outputs."""
+        `logits` and `feed` may be ShapeDtypeStructs): greedy and sampled, and both under a mask
+        where the runner serves structured outputs."""
         sampled = batch._replace(temperature=np.ones_like(batch.temperature))
         batches = [batch, sampled]
         if structured_outputs:
             batches += [b._replace(use_mask=np.ones(1, np.int32)) for b in (batch, sampled)]
         for b in batches:
-            head, args = self._pick(logits, b)
+            head, args = self._pick(logits, feed, b)
             head.lower(*args).compile()
+
+
+def _fed(result: StepResult, feed: jax.Array) -> tuple[StepResult, jax.Array]:
+    """The head's result, and `feed` with its tokens in the first rows: where the next step
+    reads the tokens of sequences the host has not read yet (async scheduling)."""
+    return result, feed.at[: result.tokens.shape[0]].set(result.tokens)

@@ -40,7 +40,7 @@ import gc
 import inspect
 import sys
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,15 @@ from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import StepResult, any_head, prompt_logprob_head
+
+
+class DispatchedStep(NamedTuple):
+    """A step on its way (`ModelRunner.dispatch`): its result as device arrays, until `fetch`."""
+
+    result: StepResult  # padded rows; device arrays (numpy where a head computed nothing)
+    hidden: jax.Array  # every token's final hidden state (prompt logprobs are scored from it)
+    batch: BatchInputs
+    num_rows: int  # the chunks scheduled (rows past them are padding)
 
 
 class ModelRunner:
@@ -150,10 +159,18 @@ class ModelRunner:
         cache_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
         if mesh is not None:  # rope tables, packed head (None here), logits buffer: replicated like the batch
             step_shardings["in_shardings"] = (*step_shardings["in_shardings"], *[tp.replicated(mesh)] * 3)
+        if mesh is not None:  # the token feed: replicated in and out
+            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], tp.replicated(mesh))
+            step_shardings["out_shardings"] = (*step_shardings["out_shardings"], tp.replicated(mesh))
         if self.rope_tables is not None:
             self.rope_tables = jax.device_put(self.rope_tables, tp.replicated(mesh) if mesh is not None else None)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5), **step_shardings)
-        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1,))  # no mesh (`fused_head`)
+        # The token feed: each step's sampled tokens, in its rows, left on the device for the next
+        # step, which reads the tokens the host has not read yet from it (async scheduling,
+        # BatchInputs.feed_rows); every program that samples writes it (donated)
+        self._feed = jax.device_put(np.zeros(max(config.seq_buckets), np.int32),
+                                    tp.replicated(mesh) if mesh is not None else None)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6), **step_shardings)
+        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1, 5))  # no mesh (`fused_head`)
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
         self._heads = SplitHeads(self.num_top_logprobs, mesh, self._count_trace)
         prompt_shardings = {} if mesh is None else {
@@ -166,23 +183,31 @@ class ModelRunner:
     def _count_trace(self) -> None:
         self.num_compilations += 1  # called only while tracing
 
-    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer):
-        """The split step (no `fused_head`): the model, returning the logits for the head's own call."""
+    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer, feed):
+        """The split step (no `fused_head`): the model, returning the logits for the head's own
+        call, and the token feed with the head kernel's argmax in it where there is one (the
+        tokens when `native_greedy` skips the head; a head that runs overwrites them)."""
         del logits_buffer  # only donated: XLA writes the logits into it (`_logits_buffer`)
         self._count_trace()
-        return self._model(params, kv_cache, batch, rope_tables, packed_head, argmax=True)
+        logits, kv_cache, hidden, greedy = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
+                                                       argmax=True)
+        if greedy is not None:
+            feed = feed.at[: greedy[0].shape[0]].set(greedy[0])
+        return logits, kv_cache, hidden, greedy, feed
 
-    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head):
+    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed):
         """The fused step (`fused_head`): the model, then `any_head` on its logits, which never
-        leave the program; returns what the host reads (and `hidden`, for prompt logprobs)."""
+        leave the program; returns what the host reads (and `hidden`, for prompt logprobs) and
+        the token feed with the sampled tokens in it."""
         self._count_trace()
-        logits, kv_cache, hidden, _ = self._model(params, kv_cache, batch, rope_tables, packed_head, argmax=False)
+        logits, kv_cache, hidden, _ = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
+                                                  argmax=False)
         result = any_head(logits, batch.token_bitmask if self.structured_outputs else None, batch.use_mask,
                           batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
                           batch.want_top, k=self.num_top_logprobs)
-        return tuple(result[:4]), kv_cache, hidden
+        return tuple(result[:4]), kv_cache, hidden, feed.at[: result.tokens.shape[0]].set(result.tokens)
 
-    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, *, argmax: bool):
+    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *, argmax: bool):
         """The model over the batch's tokens: (logits of each row's last token, the cache, every
         token's hidden state, and (argmax, its logit) per row where `argmax` and a packed head's
         kernel computes them, else None)."""
@@ -195,13 +220,15 @@ class ModelRunner:
         extra = {} if rope_tables is None else {"rope_tables": rope_tables}
         if self.takes_linear:
             extra["linear"] = self.linear
+        # tokens still on the device (async scheduling) come from the feed the step before wrote
+        token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)], batch.token_ids)
         if self.unroll_layers:
             model = nnx.merge(self.graphdef, restack_layers(params))
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
+            hidden, kv_cache = model(token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
                                      **extra)
         else:
             model = nnx.merge(self.graphdef, params)
-            hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, meta, attention, **extra)
+            hidden, kv_cache = model(token_ids, batch.positions, kv_cache, meta, attention, **extra)
         greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`native_greedy`)
         if packed_head is not None and argmax:
             logits, *greedy = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=True)
@@ -275,15 +302,15 @@ class ModelRunner:
             batch = self.empty_batch(num_seqs, num_tokens)
             if self.fused_head:  # one program per bucket, every head variant inside it
                 self._fused_step.lower(self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables,
-                                       self.packed_head).compile()
+                                       self.packed_head, self._feed).compile()
                 bar.update()
                 continue
             logits = self._logits_buffer(batch)  # the buffer the first real step of this bucket donates
             self._step.lower(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
-                             logits).compile()
+                             logits, self._feed).compile()
             if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
                 heads_compiled.add(num_seqs)
-                self._heads.warm_up(logits, batch, self.structured_outputs)
+                self._heads.warm_up(logits, self._feed, batch, self.structured_outputs)
             self._logits_buffers[num_seqs] = logits
             bar.update()
         bar.set_postfix_str("prompt logprobs, block copies and moves")
@@ -331,6 +358,36 @@ class ModelRunner:
         head, called while the model step runs (it is dispatched asynchronously; only the
         head needs the mask), so the matchers' host work overlaps the device's, as vLLM
         overlaps them (`overlap_host_work`); a fused head needs it at dispatch."""
+        batch, late = self._prepare(output, seqs, token_bitmask, None)
+        n = len(output.chunks)
+        result = self.run_batch(batch) if late is None else self.run_batch(batch, late_bitmask=late)
+        return StepResult(*(a[:n] for a in result[:4]), prompt=result.prompt)
+
+    def dispatch(self, output: SchedulerOutput, seqs: Mapping[int, Sequence],
+                 token_bitmask: np.ndarray | Callable[[], np.ndarray] | None = None,
+                 feed_rows: Mapping[int, int] | None = None) -> DispatchedStep:
+        """Start one scheduled step on the device and return without waiting for it (async
+        scheduling); `fetch` reads its result. `feed_rows`: sequence id -> its row in the step
+        dispatched before this one, for each sequence whose last token that step sampled and
+        the host has not read (its chunk holds PENDING_TOKEN there: the step takes the token
+        from the device). `token_bitmask` as in `execute`."""
+        batch, late = self._prepare(output, seqs, token_bitmask, feed_rows)
+        start = time.perf_counter()
+        step = DispatchedStep(*self._launch(batch, late), batch, len(output.chunks))
+        self._step_seconds += time.perf_counter() - start
+        return step
+
+    def fetch(self, step: DispatchedStep) -> StepResult:
+        """Wait for a dispatched step and read what it sampled, one row per chunk, as numpy."""
+        start = time.perf_counter()
+        result = self._collect(step.result, step.hidden, step.batch)
+        self._step_seconds += time.perf_counter() - start
+        n = step.num_rows
+        return StepResult(*(a[:n] for a in result[:4]), prompt=result.prompt)
+
+    def _prepare(self, output: SchedulerOutput, seqs, token_bitmask, feed_rows):
+        """(the step's BatchInputs, the bitmask function to call once the model step runs, or
+        None); runs the step's swaps first."""
         if token_bitmask is not None and not self.structured_outputs:
             raise ValueError("this runner was built without structured_outputs=True: its masked heads are not compiled")
         # a fused head reads the mask inside the step, so it must be in the batch at dispatch
@@ -345,36 +402,45 @@ class ModelRunner:
         batch = prepare_batch(output, seqs, self.block_tables, block_size=self.config.block_size,
                               num_blocks=self.num_blocks, seq_buckets=self.config.seq_buckets,
                               token_buckets=self.config.token_buckets, max_copies=self.max_copies,
-                              token_bitmask=None if late else token_bitmask, mask_words=self.mask_words)
-        n = len(output.chunks)
-        result = self.run_batch(batch) if late is None else self.run_batch(batch, late_bitmask=late)
-        return StepResult(*(a[:n] for a in result[:4]), prompt=result.prompt)
+                              token_bitmask=None if late else token_bitmask, mask_words=self.mask_words,
+                              feed_rows=feed_rows)
+        return batch, late
 
     def run_batch(self, batch: BatchInputs, late_bitmask: Callable[[], np.ndarray] | None = None) -> StepResult:
         """Run the jitted step on a prepared batch (multi-host followers call this with the
         leader's batch); returns every padded row, as numpy. `late_bitmask`: the rows' token
         bitmask, computed once the model step is dispatched (`execute`)."""
+        start = time.perf_counter()
+        result = self._collect(*self._launch(batch, late_bitmask), batch)
+        self._step_seconds += time.perf_counter() - start
+        return result
+
+    def _launch(self, batch: BatchInputs, late_bitmask) -> tuple[StepResult, jax.Array]:
+        """Dispatch the step's programs (block copies, the model, its head); (the result as
+        device arrays, every token's hidden state). Nothing here waits for the device."""
         if self.on_step is not None:
             self.on_step(batch)
-        start = time.perf_counter()
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
         if self.fused_head:
-            outs, self.kv_cache, hidden = self._fused_step(self.params, self.kv_cache, self._fused_inputs(batch),
-                                                           self.rope_tables, self.packed_head)
-            result = StepResult(*(np.asarray(a) for a in outs))
-        else:
-            result, hidden = self._split_step(batch, late_bitmask)
+            outs, self.kv_cache, hidden, self._feed = self._fused_step(
+                self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head, self._feed)
+            return StepResult(*outs), hidden
+        return self._split_step(batch, late_bitmask)
+
+    def _collect(self, result: StepResult, hidden, batch: BatchInputs) -> StepResult:
+        """A launched step's result on the host (waits for the device), with its prompt logprobs."""
+        result = StepResult(*jax.device_get(tuple(result[:4])))
         if (batch.prompt_targets >= 0).any():
             head = functools.partial(self._prompt_head, self.params, self.packed_head)
             result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
-        self._step_seconds += time.perf_counter() - start
         return result
 
     def _split_step(self, batch: BatchInputs, late_bitmask) -> tuple[StepResult, jax.Array]:
         """The model step, then its head as a call of its own (`SplitHeads`); (result, hidden)."""
-        logits, self.kv_cache, hidden, greedy = self._step(self.params, self.kv_cache, _step_inputs(batch),
-                                                           self.rope_tables, self.packed_head, self._logits_buffer(batch))
+        logits, self.kv_cache, hidden, greedy, self._feed = self._step(
+            self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
+            self._logits_buffer(batch), self._feed)
         if late_bitmask is not None:  # host work while the model step runs
             rows = late_bitmask()
             mask = np.full_like(batch.token_bitmask, -1)
@@ -382,7 +448,7 @@ class ModelRunner:
             batch = batch._replace(token_bitmask=mask, use_mask=np.ones(1, np.int32))
         result = self._heads.native_greedy(greedy, batch)
         if result is None:
-            result = StepResult(*(np.asarray(a) for a in self._heads.run(logits, batch)[:4]))
+            result, self._feed = self._heads.run(logits, self._feed, batch)
         self._logits_buffers[logits.shape[0]] = logits
         return result, hidden
 

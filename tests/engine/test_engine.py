@@ -89,3 +89,23 @@ def test_greedy_equals_reference(model, trace, expected, block_size, num_blocks,
     if tight:
         assert stats["num_preemptions"] >= 5, stats
     assert stats["max_batched_seqs"] > 1
+
+
+# async scheduling (EngineConfig.async_scheduling): each step is scheduled while the one before
+# runs, its pending tokens fed on the device; the CPU's default is off, so these turn it on
+ASYNC_CASES = [
+    pytest.param(1, 1100, True, "recompute", 64, "reference", id="bs1-tight-chunked-recompute-async"),
+    pytest.param(16, 60, True, "swap", 96, "native", id="bs16-tight-chunked-swap-native-async"),
+    pytest.param(8, 110, False, "recompute", 512, "native", id="bs8-tight-whole-prefill-recompute-native-async"),
+]
+
+
+@pytest.mark.parametrize("block_size, num_blocks, chunked, mode, budget, attention", ASYNC_CASES)
+def test_greedy_equals_reference_with_async_scheduling(model, trace, expected, block_size, num_blocks, chunked,
+                                                       mode, budget, attention):
+    outputs, stats = _run(model, trace, block_size=block_size, num_blocks=num_blocks,
+                          enable_chunked_prefill=chunked, preemption_mode=mode, max_num_batched_tokens=budget,
+                          swap_space_bytes=64 * 2**20, attention_backend=attention, async_scheduling=True,
+                          seq_buckets=(2, 8), token_buckets=(16, 64, budget))
+    _assert_matches(model, trace, expected, outputs)
+    assert stats["num_preemptions"] >= 5, stats
