@@ -29,11 +29,12 @@ CHUNK_TOKENS = 128  # keys per loop iteration: ~6 MB of f32 K per 64 decode rows
 
 
 def chunked_decode_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, otherwise,
-                             sm_scale=None, sliding_window=None, soft_cap=None, chunk_blocks=None):
+                             sm_scale=None, sliding_window=None, soft_cap=None, chunk_blocks=None, kind=None):
     """q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
     i32[S, max_blocks]; context_lens i32[S]; query_start_loc i32[S + 1]. Returns
     [T, Hq, D] in q's dtype (padding tokens: zeros). `otherwise(q, k_cache, ...,
-    sm_scale=, sliding_window=, soft_cap=)` serves steps with a prefill chunk."""
+    sm_scale=, sliding_window=, soft_cap=)` serves steps with a prefill chunk; `kind` as in
+    decode_dispatch.decode_or_ragged."""
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     chunk_blocks = chunk_blocks or max(1, CHUNK_TOKENS // block_size)
 
@@ -43,7 +44,8 @@ def chunked_decode_attention(q, k_cache, v_cache, block_tables, context_lens, qu
                             sliding_window=sliding_window, soft_cap=soft_cap)
 
     return decode_or_ragged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, decode=decode,
-                            ragged=otherwise, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                            ragged=otherwise, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                            kind=kind)
 
 
 def _attend_rows(q, tables, kv_len, position, *, k_cache, v_cache, chunk_blocks, scale, sliding_window, soft_cap):

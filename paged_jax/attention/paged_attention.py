@@ -44,6 +44,9 @@ class AttentionKernels(NamedTuple):
     # (q [T, Hq, D], k_pool [L*N, B, Hkv, D], v_pool, block_tables, context_lens, query_start_loc,
     #  *, sliding_window) -> out [T, Hq, D]: the ragged paged attention contract of pallas_kernels/
     attend: Callable
+    # whether `attend` serves decode steps with a kernel of their own (decode_dispatch.py): it then takes
+    # kind="decode" | "mixed", and the runner compiles a program per kind instead of a cond per layer
+    splits_decode: bool = False
 
 
 def scatter_kv(cache, rows, slot_mapping, layer):
@@ -60,26 +63,30 @@ def portable_kernels(backend: str, platform: str) -> AttentionKernels:
     step: on CPU its single-program tiling, in interpret mode, is the one measured fast),
     "xla" (the chunked loop for decode steps, the ragged kernel otherwise) or "reference"
     (the jnp ground truth)."""
+    splits = False
     if backend == "pallas":
         if platform in ("gpu", "cuda", "rocm"):
             attend = functools.partial(decode_or_ragged, decode=decode_paged_attention, ragged=ragged_paged_attention)
+            splits = True
         else:
             attend = ragged_paged_attention
     elif backend == "xla":
         attend = functools.partial(chunked_decode_attention, otherwise=ragged_paged_attention)
+        splits = True
     elif backend == "reference":
         attend = ragged_paged_attention_reference
     else:
         raise ValueError(f"attention backend {backend!r} is not portable: choose one of {PORTABLE_BACKENDS}, or "
                          "ask the platform (paged_jax.platform) for its own")
-    return AttentionKernels(write=scatter_kv, attend=attend)
+    return AttentionKernels(write=scatter_kv, attend=attend, splits_decode=splits)
 
 
 def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, kernels: AttentionKernels,
-                    sliding_window=None):
+                    sliding_window=None, kind=None):
     """The model's attention_fn for the paged cache: write K/V at the slots with
     `kernels.write`, then attend through the block tables with `kernels.attend`.
-    q [T, Hq, D]; k, v [T, Hkv, D]."""
+    q [T, Hq, D]; k, v [T, Hkv, D]. `kind` ("decode" | "mixed", static): the step's kind,
+    for kernels that split decode steps (`splits_decode`; None: they decide on device)."""
     kv_cache = {name: kernels.write(kv_cache[name], new, meta.slot_mapping, layer) for name, new in (("k", k), ("v", v))}
     # The kernels take one pool of blocks. Slicing out this layer (`cache[layer]`, a
     # dynamic index) copies it, i.e. the whole cache once per step over the layers
@@ -90,6 +97,7 @@ def paged_attention(q, k, v, kv_cache, layer, meta: PagedMetadata, *, kernels: A
     pool = {name: kv_cache[name].reshape(num_layers * num_blocks, *kv_cache[name].shape[2:]) for name in ("k", "v")}
     tables = meta.block_tables + layer * num_blocks
     # the kernels take q in the cache's dtype (bf16 caches: bf16 q, f32 accumulation inside)
+    extra = {"kind": kind} if kind is not None and kernels.splits_decode else {}
     out = kernels.attend(q.astype(pool["k"].dtype), pool["k"], pool["v"], tables, meta.context_lens,
-                         meta.query_start_loc, sliding_window=sliding_window)
+                         meta.query_start_loc, sliding_window=sliding_window, **extra)
     return out.astype(q.dtype), kv_cache

@@ -78,6 +78,20 @@ def all_batch_shapes(seq_buckets, token_buckets) -> list[tuple[int, int]]:
     return sorted(decode | mixed)
 
 
+def batch_shape_kinds(seq_buckets, token_buckets) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Every (S, T) of `all_batch_shapes` with the step kinds that land on it: "decode" (one
+    query token per row) and "mixed" (a prefill chunk). Only the largest decode bucket can
+    also hold a mixed step (`batch_shape` gives mixed steps the largest S)."""
+    kinds: dict[tuple[int, int], tuple[str, ...]] = {}
+    for s in seq_buckets:
+        kinds[batch_shape(seq_buckets, token_buckets, s, s)] = ("decode",)
+    for t in token_buckets:
+        if t > 1:
+            shape = batch_shape(seq_buckets, token_buckets, 1, t)
+            kinds[shape] = tuple(sorted(set(kinds.get(shape, ())) | {"mixed"}))
+    return kinds
+
+
 def prepare_batch(output: SchedulerOutput, seqs: Mapping[int, Sequence], tables: HostBlockTables, *,
                   block_size: int, num_blocks: int, seq_buckets, token_buckets, max_copies: int,
                   token_bitmask: np.ndarray | None = None, mask_words: int = 1,

@@ -9,7 +9,10 @@ why), the head is a jitted call of its own (head_dispatch.py): greedy rows take 
 only a batch with a sampled row runs the sampler, and where the LM head runs on a native
 kernel that also returns each row's argmax, an all-greedy batch asking no logprobs skips the
 head. Where the platform fuses it (GPU, TPU), one program per bucket runs the model and
-`step_head.any_head` and returns only what the host reads: one dispatch per step.
+`step_head.fused_head` and returns only what the host reads: one dispatch per step. Which
+variant of a step runs (decode or mixed attention where the kernels differ; a fused head
+that samples or not) is picked on the host and compiled as a program of its own: no step
+runs a `lax.cond`, which a GPU executes by waiting on the host for the predicate.
 Copy-on-write block copies run as their own jitted call, only in steps that have any (the
 batch's copy list is padded to max_num_seqs; copying the padding inside every step cost
 36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`).
@@ -60,12 +63,12 @@ from paged_jax.model.llama import Params
 from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.platform import Platform, current_platform
 from paged_jax.worker import kv_cache as kvc
-from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
+from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch, prepare_batch
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
-from paged_jax.worker.step_head import StepResult, any_head, prompt_logprob_head
+from paged_jax.worker.step_head import StepResult, fused_head, prompt_logprob_head
 
 
 class DispatchedStep(NamedTuple):
@@ -169,8 +172,11 @@ class ModelRunner:
         # BatchInputs.feed_rows); every program that samples writes it (donated)
         self._feed = jax.device_put(np.zeros(max(config.seq_buckets), np.int32),
                                     tp.replicated(mesh) if mesh is not None else None)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6), **step_shardings)
-        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1, 5))  # no mesh (`fused_head`)
+        # static: the step's kind where the attention kernels split decode steps (`_kind`), and whether
+        # the fused head samples: chosen on the host, a program each, so no step runs a `lax.cond`
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6), static_argnames=("kind",), **step_shardings)
+        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1, 5),  # no mesh (`fused_head`)
+                                   static_argnames=("kind", "sample"))
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
         self._heads = SplitHeads(self.num_top_logprobs, mesh, self._count_trace)
         prompt_shardings = {} if mesh is None else {
@@ -183,38 +189,41 @@ class ModelRunner:
     def _count_trace(self) -> None:
         self.num_compilations += 1  # called only while tracing
 
-    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer, feed):
+    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer, feed, *,
+                   kind=None):
         """The split step (no `fused_head`): the model, returning the logits for the head's own
         call, and the token feed with the head kernel's argmax in it where there is one (the
         tokens when `native_greedy` skips the head; a head that runs overwrites them)."""
         del logits_buffer  # only donated: XLA writes the logits into it (`_logits_buffer`)
         self._count_trace()
         logits, kv_cache, hidden, greedy = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
-                                                       argmax=True)
+                                                       argmax=True, kind=kind)
         if greedy is not None:
             feed = feed.at[: greedy[0].shape[0]].set(greedy[0])
         return logits, kv_cache, hidden, greedy, feed
 
-    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed):
-        """The fused step (`fused_head`): the model, then `any_head` on its logits, which never
-        leave the program; returns what the host reads (and `hidden`, for prompt logprobs) and
-        the token feed with the sampled tokens in it."""
+    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *,
+                         kind=None, sample=False):
+        """The fused step (`fused_head`): the model, then `step_head.fused_head` on its logits,
+        which never leave the program; returns what the host reads (and `hidden`, for prompt
+        logprobs) and the token feed with the sampled tokens in it."""
         self._count_trace()
         logits, kv_cache, hidden, _ = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
-                                                  argmax=False)
-        result = any_head(logits, batch.token_bitmask if self.structured_outputs else None, batch.use_mask,
-                          batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
-                          batch.want_top, k=self.num_top_logprobs)
+                                                  argmax=False, kind=kind)
+        result = fused_head(logits, batch.token_bitmask if self.structured_outputs else None, batch.use_mask,
+                            batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
+                            k=self.num_top_logprobs, sample=sample)
         return tuple(result[:4]), kv_cache, hidden, feed.at[: result.tokens.shape[0]].set(result.tokens)
 
-    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *, argmax: bool):
+    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *, argmax: bool,
+               kind=None):
         """The model over the batch's tokens: (logits of each row's last token, the cache, every
         token's hidden state, and (argmax, its logit) per row where `argmax` and a packed head's
         kernel computes them, else None)."""
         cfg = self.model_config
         meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
         attention = functools.partial(paged_attention, sliding_window=cfg.sliding_window,
-                                      kernels=self.attention_kernels)
+                                      kernels=self.attention_kernels, kind=kind)
         if self.mesh is not None:
             attention = tp.sharded_attention(attention, self.mesh)
         extra = {} if rope_tables is None else {"rope_tables": rope_tables}
@@ -297,17 +306,21 @@ class ModelRunner:
         bar = tqdm.tqdm(total=len(shapes) + 1, desc="compiling buckets", unit="bucket",
                         disable=not progress, leave=False, file=sys.stderr)
         heads_compiled = set()
+        kinds = self.step_kinds()
         for num_seqs, num_tokens in shapes:
             bar.set_postfix_str(f"{num_seqs} seqs x {num_tokens} tokens")
             batch = self.empty_batch(num_seqs, num_tokens)
-            if self.fused_head:  # one program per bucket, every head variant inside it
-                self._fused_step.lower(self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables,
-                                       self.packed_head, self._feed).compile()
+            if self.fused_head:  # a program per kind and head variant (greedy, sampling)
+                for kind in kinds[num_seqs, num_tokens]:
+                    for sample in (False, True):
+                        self._fused_step.lower(self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables,
+                                               self.packed_head, self._feed, kind=kind, sample=sample).compile()
                 bar.update()
                 continue
             logits = self._logits_buffer(batch)  # the buffer the first real step of this bucket donates
-            self._step.lower(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
-                             logits, self._feed).compile()
+            for kind in kinds[num_seqs, num_tokens]:
+                self._step.lower(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
+                                 logits, self._feed, kind=kind).compile()
             if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
                 heads_compiled.add(num_seqs)
                 self._heads.warm_up(logits, self._feed, batch, self.structured_outputs)
@@ -344,6 +357,12 @@ class ModelRunner:
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (num_seqs, num_tokens) bucket a step can have: what warm-up compiles."""
         return all_batch_shapes(self.config.seq_buckets, self.config.token_buckets)
+
+    def step_kinds(self) -> dict[tuple[int, int], tuple]:
+        """Per bucket, the step kinds (`_kind`) its steps can have: warm-up compiles each."""
+        if not self.attention_kernels.splits_decode:
+            return {shape: (None,) for shape in self.batch_shapes()}
+        return batch_shape_kinds(self.config.seq_buckets, self.config.token_buckets)
 
     def empty_batch(self, num_seqs: int, num_tokens: int) -> BatchInputs:
         """An all-padding batch of one bucket (warm-up's input; multi-host broadcast templates)."""
@@ -422,11 +441,20 @@ class ModelRunner:
             self.on_step(batch)
         if batch.copy_dst.any():  # padding is (0, 0): the null block onto itself
             self.kv_cache = self._copy_blocks(self.kv_cache, batch.copy_src, batch.copy_dst)
+        kind = self._kind(batch)
         if self.fused_head:
             outs, self.kv_cache, hidden, self._feed = self._fused_step(
-                self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head, self._feed)
+                self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head, self._feed,
+                kind=kind, sample=bool(batch.temperature.any()))
             return StepResult(*outs), hidden
-        return self._split_step(batch, late_bitmask)
+        return self._split_step(batch, late_bitmask, kind)
+
+    def _kind(self, batch: BatchInputs) -> str | None:
+        """The step's kind for kernels that split decode steps (`AttentionKernels.splits_decode`):
+        "decode" when no row has more than one query token, else "mixed"; None otherwise."""
+        if not self.attention_kernels.splits_decode:
+            return None
+        return "decode" if (np.diff(batch.query_start_loc) <= 1).all() else "mixed"
 
     def _collect(self, result: StepResult, hidden, batch: BatchInputs) -> StepResult:
         """A launched step's result on the host (waits for the device), with its prompt logprobs."""
@@ -436,11 +464,11 @@ class ModelRunner:
             result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
         return result
 
-    def _split_step(self, batch: BatchInputs, late_bitmask) -> tuple[StepResult, jax.Array]:
+    def _split_step(self, batch: BatchInputs, late_bitmask, kind) -> tuple[StepResult, jax.Array]:
         """The model step, then its head as a call of its own (`SplitHeads`); (result, hidden)."""
         logits, self.kv_cache, hidden, greedy, self._feed = self._step(
             self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
-            self._logits_buffer(batch), self._feed)
+            self._logits_buffer(batch), self._feed, kind=kind)
         if late_bitmask is not None:  # host work while the model step runs
             rows = late_bitmask()
             mask = np.full_like(batch.token_bitmask, -1)

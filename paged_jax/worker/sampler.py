@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 
-def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
+def sample_tokens(logits, temperature, top_k, top_p, min_p, keys, *, branch_free: bool = False):
     """Pick one token per row.
 
     logits f32[B, V]; temperature f32[B] (0 = greedy); top_k i32[B] (<= 0 = off);
@@ -36,6 +36,11 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
     and the sort, a single one serving all three filters, runs only when such a row is
     present. Which path a row takes depends on its own parameters alone, so its stream
     never depends on its batch.
+
+    `branch_free`: no `lax.cond` (the accelerators' fused step, whose host picked a sampling
+    variant already: a GPU waits on the host for a conditional's predicate): every path is
+    computed and each row takes its own, so the vocabulary is sorted whenever any row samples.
+    The same tokens either way.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -69,6 +74,9 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, keys):
         choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
         picked = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(filtered, picked, plain())
+
+    if branch_free:
+        return jnp.where(temperature > 0, with_filters(), greedy)
 
     def sample():
         return jax.lax.cond(jnp.any((temperature > 0) & filtered), with_filters, plain)

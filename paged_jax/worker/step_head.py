@@ -14,7 +14,11 @@ host picks the head from the batch's temperatures, which it already holds.
 
 That is a CPU answer: on a GPU or TPU the second call is a second dispatch and a host round
 trip per step, so there the platform fuses the head into the step (`Platform.fused_head`;
-`any_head` below, every variant behind `lax.cond`s on scalars). head_dispatch.py runs either.
+`fused_head` below). There the variants are not `lax.cond`s (a GPU runs a conditional by
+copying its predicate to the host and waiting, which would hold the host until the step's
+end): the host picks greedy or sampling, a program each, and the rest (the structured-output
+mask, logprobs, the top-K) is computed for every row, a few reductions over the vocabulary.
+head_dispatch.py runs the split heads.
 """
 
 from __future__ import annotations
@@ -41,12 +45,17 @@ class StepResult(NamedTuple):
     prompt: "PromptLogprobRows | None" = None  # steps with prompt positions that asked for logprobs
 
 
-def _result(logits, tokens, want_top, k: int) -> StepResult:
+def _result(logits, tokens, want_top, k: int, *, branch_free: bool = False) -> StepResult:
     """Logprob of each row's token (log_softmax without materializing it) when a row asked
     for logprobs (`want_top[0] >= 1`; else the token's raw logit, which nobody reads: the
     logsumexp over the vocabulary was 1.7 ms of a 32-row SmolLM2 step's 4.9 ms greedy head,
     a one-off measurement) and, when a row asked for alternatives (`want_top[0] == 2`), the
-    top-K of the raw distribution."""
+    top-K of the raw distribution. `branch_free`: both always (no `lax.cond`: `fused_head`)."""
+    if branch_free:
+        log_norm = jax.nn.logsumexp(logits, axis=-1)
+        values, ids = jax.lax.top_k(logits, k)
+        return StepResult(tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm,
+                          ids, values - log_norm[:, None])
     log_norm = jax.lax.cond(want_top[0] > 0, lambda: jax.nn.logsumexp(logits, axis=-1),
                             lambda: jnp.zeros(logits.shape[0], jnp.float32))
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
@@ -111,24 +120,26 @@ def sampled_head(logits, temperature, top_k, top_p, min_p, seeds, sample_index, 
     return _result(logits, tokens, want_top, k)
 
 
-def any_head(logits, bitmask, use_mask, temperature, top_k, top_p, min_p, seeds, sample_index, want_top, *,
-             k: int) -> StepResult:
-    """Every head above in one traced function, for a step that runs the head inside the model
-    step (a fused head: `Platform.fused_head`): the variant is picked on device from scalars
-    (`sample_tokens` draws only when a row samples, the mask applies only when `use_mask[0]`,
-    `_result` computes logprobs and top-K only where asked), so one program per bucket serves
-    any batch. Same tokens as the split heads: temperature-0 rows take `sample_tokens`'s
-    argmax (the first index of the maximum, as `first_max`) of the masked logits, sampled rows
-    draw with fold_in(key(seed), sample_index). `bitmask` None: no structured outputs (the
-    runner's placeholder mask is one word wide and must not be read)."""
+def fused_head(logits, bitmask, use_mask, temperature, top_k, top_p, min_p, seeds, sample_index, *, k: int,
+               sample: bool) -> StepResult:
+    """The head inside the model step (a fused head: `Platform.fused_head`), without a
+    `lax.cond` (the module docstring says why): `sample` (static, the host's pick: some row
+    samples) draws with `sample_tokens` (branch-free), else every row takes its argmax; the
+    structured-output mask applies to rows where `use_mask[0]` (a select, not a cond); logprobs
+    and the top-K are always computed. The same tokens as the split heads: temperature-0 rows
+    take the first index of the (masked) maximum, sampled rows draw with
+    fold_in(key(seed), sample_index). `bitmask` None: no structured outputs (the runner's
+    placeholder mask is one word wide and must not be read)."""
     logits = logits.astype(jnp.float32)
     masked = logits
     if bitmask is not None:
-        masked = jax.lax.cond(use_mask[0] > 0,
-                              lambda: jnp.where(allowed(bitmask, logits.shape[-1]), logits, -jnp.inf), lambda: logits)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
-    tokens = sample_tokens(masked, temperature, top_k, top_p, min_p, keys)
-    return _result(logits, tokens, want_top, k)
+        masked = jnp.where(allowed(bitmask, logits.shape[-1]) | (use_mask[0] == 0), logits, -jnp.inf)
+    if sample:
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
+        tokens = sample_tokens(masked, temperature, top_k, top_p, min_p, keys, branch_free=True)
+    else:
+        tokens = first_max(masked)
+    return _result(logits, tokens, None, k, branch_free=True)
 
 
 class PromptLogprobRows(NamedTuple):

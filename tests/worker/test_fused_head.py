@@ -194,3 +194,37 @@ def test_structured_outputs(vocab_model):
     _assert_same(split_outs, fused_outs)
     assert fused_outs[1].outputs[0].text in ("red", "green", "blue", "dark blue")  # the mask held
     assert fused.stats()["num_compilations_after_warm_up"] == 0
+
+
+def _conditionals(runner, batch, **static) -> int:
+    """lax.cond's in the lowered fused step for `batch` (StableHLO `case` / `if` ops)."""
+    text = runner._fused_step.lower(runner.params, runner.kv_cache, runner._fused_inputs(batch), runner.rope_tables,
+                                    runner.packed_head, runner._feed, **static).as_text()
+    return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+def test_no_conditional_in_the_fused_step_its_variants_picked_on_the_host(tiny_llama):
+    """With kernels that split decode steps ("xla": a decode loop, the ragged kernel otherwise)
+    the fused step has a program per kind and head variant and none holds a lax.cond (a GPU
+    waits on the host for a conditional's predicate); outputs equal the split runner's with
+    the same kernels, which decides the kind on device."""
+    settings = dict(TINY, attention_backend="xla")
+    split, fused = _engine(tiny_llama, fused=False, **settings), _engine(tiny_llama, fused=True, **settings)
+    runner = fused.runner
+    assert runner.attention_kernels.splits_decode
+    kinds = runner.step_kinds()
+    assert {k for ks in kinds.values() for k in ks} == {"decode", "mixed"}
+    for (num_seqs, num_tokens), shape_kinds in kinds.items():
+        batch = runner.empty_batch(num_seqs, num_tokens)
+        for kind in shape_kinds:
+            for sample in (False, True):
+                assert _conditionals(runner, batch, kind=kind, sample=sample) == 0, (num_seqs, num_tokens, kind)
+    used = []
+    launch_kind = runner._kind
+    runner._kind = lambda batch: used.append(launch_kind(batch)) or used[-1]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, top_k=0 if i < 2 else 8, max_tokens=10,
+                             ignore_eos=True, logprobs=2) for i in range(4)]
+    split_outs, fused_outs = _both((split, fused), _prompts(4, seed=9), params)
+    _assert_same(split_outs, fused_outs)
+    assert set(used) == {"decode", "mixed"}
+    assert fused.stats()["num_compilations_after_warm_up"] == 0
