@@ -457,8 +457,16 @@ class ModelRunner:
         return "decode" if (np.diff(batch.query_start_loc) <= 1).all() else "mixed"
 
     def _collect(self, result: StepResult, hidden, batch: BatchInputs) -> StepResult:
-        """A launched step's result on the host (waits for the device), with its prompt logprobs."""
-        result = StepResult(*jax.device_get(tuple(result[:4])))
+        """A launched step's result on the host (waits for the device), with its prompt logprobs.
+        Only what some row asked for comes back (`want_top`): the tokens; their logprobs where a
+        row asked for logprobs; the top-K where one asked for alternatives (zeros otherwise, as
+        the heads leave them when nobody asks)."""
+        want = int(batch.want_top[0])
+        wanted = (result.tokens,) + ((result.logprobs,) if want else ()) + (tuple(result[2:4]) if want > 1 else ())
+        got = jax.device_get(wanted)
+        rows, k = got[0].shape[0], self.num_top_logprobs
+        result = StepResult(got[0], got[1] if want else np.zeros(rows, np.float32),
+                            *(got[2:4] if want > 1 else (np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32))))
         if (batch.prompt_targets >= 0).any():
             head = functools.partial(self._prompt_head, self.params, self.packed_head)
             result = result._replace(prompt=score_prompt_positions(head, hidden, batch))
