@@ -85,7 +85,7 @@ class EngineConfig:
     # schedule and dispatch step N+1 while step N runs on the device; N's tokens feed N+1 on the device
     # and the host reads them while N+1 runs (vLLM v1's async scheduling; engine/engine_core.py). Outputs
     # then lag one step. None: the platform's (on for GPU/TPU, off on CPU); False: strictly in sequence
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = None  # step N+1 scheduled while N runs; None: the platform's (GPU/TPU on, CPU off)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
