@@ -11,6 +11,14 @@ experiments/results/serving_load.json.
 
 Without --base_url it starts the server in this process on a free port, with the
 engine built from the same flags as serve_local (every EngineConfig field).
+
+--compare_offline (in-process server only): each of --rounds rounds serves the trace
+offline first (the same engine, token ids in, greedy, final outputs only: what
+`LLM.generate` does) and then through the server, A B A B, and the record adds the offline
+output tok/s and the server's share of it. Why: the server's event loop (HTTP, JSON,
+detokenization, streaming) and the engine's thread share one interpreter lock, so a
+saturated server can serve fewer tokens than the engine alone produces; vLLM moved its
+engine core into a process of its own for this.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Cap on each request's ou
 _VOCAB = flags.DEFINE_integer("vocab_size", None, "Prompt token ids are drawn below it (default: the model's).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the trace and the engine.")
 _OUTPUT = flags.DEFINE_string("output", "experiments/results/serving_load.json", "Where the JSON record goes.")
+_COMPARE = flags.DEFINE_bool("compare_offline", False, "Also serve the trace offline on the same engine, A B A B.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "With --compare_offline: rounds of (offline, server).")
 define_engine_flags(skip=("seed",))
 flags.adopt_module_key_flags(engine_flags)
 
@@ -136,6 +146,8 @@ def main(argv):
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else {}
     server, engine = None, None
+    if _COMPARE.value and _BASE_URL.value:
+        raise app.UsageError("--compare_offline needs the in-process server (no --base_url)")
     if _BASE_URL.value:
         base_url = _BASE_URL.value.rstrip("/")
     else:
@@ -151,8 +163,10 @@ def main(argv):
                            allocator_factory=make_allocator)
         # the bound on waiting requests must not refuse the benchmark's own burst
         settings = ServerSettings(served_model_name=_MODEL.value, max_waiting_requests=10 * _NUM_REQUESTS.value)
-        server = BackgroundServer(build_app(engine, settings))
+        serve = lambda: BackgroundServer(build_app(engine, settings))  # noqa: E731
+        server = serve()
         base_url = server.base_url
+    offline_rounds, server_rounds = [], []
     try:
         model, max_model_len = _server_info(base_url, headers)
         vocab = _VOCAB.value or (engine.model_config.vocab_size if engine is not None else 49152)
@@ -161,7 +175,17 @@ def main(argv):
                            max_model_len=max_model_len, vocab_size=vocab, request_rate=rate)
         if _MAX_TOKENS.value:
             trace = [dataclasses.replace(r, max_tokens=min(r.max_tokens, _MAX_TOKENS.value)) for r in trace]
-        records, wall = asyncio.run(_run(base_url, model, trace, headers))
+        for round_index in range(_ROUNDS.value if _COMPARE.value else 1):
+            if _COMPARE.value:
+                server.stop()  # the offline run has the engine to itself; a fresh server after it
+                offline_rounds.append(_offline(engine, trace))
+                engine.core.reset_prefix_cache()
+                server = serve()
+                base_url = server.base_url
+            records, wall = asyncio.run(_run(base_url, model, trace, headers))
+            server_rounds.append(sum(r.output_tokens for r in records if r.ok) / wall)
+            if _COMPARE.value:
+                engine.core.reset_prefix_cache()
         engine_stats = server.loop.stats() if server is not None else None
     finally:
         if server is not None:
@@ -180,6 +204,11 @@ def main(argv):
         "e2e": _percentiles(r.e2e for r in done),
         "expected_output_tokens": sum(r.max_tokens for r in trace),
     }
+    if offline_rounds:  # A B A B: each side's best round (other work only slows a round down)
+        figures["offline_output_token_throughput_per_round"] = offline_rounds
+        figures["server_output_token_throughput_per_round"] = server_rounds
+        figures["offline_output_token_throughput"] = max(offline_rounds)
+        figures["server_vs_offline"] = max(server_rounds) / max(offline_rounds)
     if engine is not None:
         figures["engine_config"] = {k: v for k, v in dataclasses.asdict(engine.config).items()}
         figures["engine"] = {k: engine_stats.get(k) for k in ("num_preemptions", "kv_utilization", "mean_batched_seqs",
@@ -194,9 +223,26 @@ def main(argv):
     print(f"wrote {path}")
 
 
+def _offline(engine, trace) -> float:
+    """The trace through the engine without the server (all requests at once, greedy, the
+    engine's own step loop, final outputs only); output tokens per second."""
+    from paged_jax.core.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    for i, request in enumerate(trace):
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=request.max_tokens)
+        engine.add_request(f"offline-{i}", {"prompt_token_ids": list(request.prompt_token_ids)}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+    return tokens / (time.perf_counter() - start)
+
+
 def _flag_values() -> dict:
     names = ["base_url", "model", "num_requests", "request_rate", "max_concurrency", "workload", "scale",
-             "max_tokens", "vocab_size", "seed"] + [f.name for f in dataclasses.fields(EngineConfig)
+             "max_tokens", "vocab_size", "seed", "compare_offline", "rounds"] + [f.name for f in dataclasses.fields(EngineConfig)
                                                      if f.name in flags.FLAGS]
     values = {name: flags.FLAGS[name].value for name in names}
     return {k: (str(v) if isinstance(v, float) and math.isinf(v) else list(v) if isinstance(v, tuple) else v)
