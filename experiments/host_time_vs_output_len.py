@@ -13,9 +13,10 @@ Per --output_lens: --num_seqs prompts of --prompt_len tokens decode that many to
 checks run every step; a random-weight model (given the tokenizer's vocabulary) keeps
 the device part short, and a real tokenizer (--tokenizer) decodes its tokens. Host time is the engine step's wall time
 minus the runner's device time (EngineStats): scheduling, block manager, batch
-preparation, output processing. Each length runs with per-step outputs (as a server
-streams them: every running request's RequestOutput, token lists copied) and with
-final_outputs_only, --repeats times. Reported: median host ms over the steps that decode
+preparation, output processing. Each length runs per --output_kinds, --repeats times:
+cumulative (every running request's RequestOutput holds its whole completion so far,
+vLLM's default kind), delta (each holds what is new: the server's streams) and final_only
+(an output once a request finished: LLM.generate, the server's whole answers). Reported: median host ms over the steps that decode
 all sequences, over the first and last 64 of them, and its two parts there: the engine
 core's (scheduling, block tables, batch preparation; all a server's engine thread does)
 and output processing (the front end's detokenization, stop strings and RequestOutputs;
@@ -28,9 +29,11 @@ engine's own host work: with the model, the host figures also carry what the dev
 step does to the host code after it (its threads share these 2 cores, its KV working
 set grows with the outputs), and they moved by up to 30% between runs here.
 
-Per-step outputs are cumulative (each RequestOutput holds the whole completion so far,
-as vLLM's default output kind), so building them copies O(length) per step by
-definition; the engine core and final-only output processing should be flat.
+Cumulative outputs copy O(length) per step by definition (the token list and the text
+of each running completion); delta and final-only output processing, and the engine
+core, should be flat. A row's `final_outputs_only` is false for cumulative and delta
+(the engine builds per-step outputs), true for final_only, as in records from before the
+output kinds.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ _RUNNERS = flags.DEFINE_multi_enum("runners", ["model", "host_only"], ["model", 
                                    "model: the real runner (the device step runs); host_only: batch preparation "
                                    "only, random tokens (experiments/benchmarks/host_only_runner.py), isolating "
                                    "the engine's host work from the device step's effect on the host code after it.")
+_OUTPUT_KINDS = flags.DEFINE_multi_enum("output_kinds", ["cumulative", "delta", "final_only"],
+                                        ["cumulative", "delta", "final_only"],
+                                        "SamplingParams.output_kind of the requests (final_only: the engine's "
+                                        "final_outputs_only, as LLM.generate).")
+_NOTE = flags.DEFINE_string("note", "", "Recorded with the figures: how loaded the machine was, what ran beside it.")
 _OUTPUT = flags.DEFINE_string("output", "host_time_vs_output_len", "Result name: experiments/results/<output>.json.")
 
 
@@ -76,16 +84,21 @@ def _decode_steps(engine, prompts, params) -> list[tuple[float, float, float]]:
     engine.output_processor.process = timed
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    steps, finished = [], []
+    steps, finished, received = [], [], {}
+    delta = params.output_kind.name == "DELTA"  # outputs carry new tokens only: count them all
     while engine.has_unfinished_requests():
         logged, processed = len(engine.stats_tracker.step_log), len(processing)
-        finished += [o for o in engine.step() if o.finished]
+        for o in engine.step():
+            got = len(o.outputs[0].token_ids)
+            received[o.request_id] = received.get(o.request_id, 0) + got if delta else got
+            if o.finished:
+                finished.append(o)
         if len(engine.stats_tracker.step_log) > logged:
             num_seqs, num_tokens, host, device = engine.stats_tracker.step_log[-1]
             if num_seqs == num_tokens == len(prompts):
                 steps.append((host, sum(processing[processed:]), device))
     engine.output_processor.process = process
-    assert len(finished) == len(prompts) and all(len(o.outputs[0].token_ids) == params.max_tokens for o in finished)
+    assert len(finished) == len(prompts) and all(received[o.request_id] == params.max_tokens for o in finished)
     return steps
 
 
@@ -98,7 +111,7 @@ def main(argv):
     from experiments.benchmarks.host_only_runner import HostOnlyRunner
     from experiments.reporting.results_io import write_result
     from paged_jax.config.engine_config import EngineConfig
-    from paged_jax.core.sampling_params import SamplingParams
+    from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
     from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.loading.gguf_tokenizer import load_gguf_tokenizer
     from paged_jax.loading.registry import resolve
@@ -121,11 +134,13 @@ def main(argv):
                           token_buckets=(n, n * _PROMPT_LEN.value), enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     rows = []
-    for runner, final_only in itertools.product(_RUNNERS.value, (False, True)):
+    for runner, kind in itertools.product(_RUNNERS.value, _OUTPUT_KINDS.value):
         factory = {"model": ModelRunner, "host_only": HostOnlyRunner}[runner]
+        final_only = kind == "final_only"
         engine = LLMEngine(model, config, final_outputs_only=final_only, runner_factory=factory)
         for output_len in lens:
-            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, stop=[_STOP.value])
+            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, stop=[_STOP.value],
+                                    output_kind=RequestOutputKind[kind.upper()])
             runs = []
             for _ in range(_REPEATS.value):  # the least disturbed run counts (other work shares these CPUs)
                 prompts = [rng.integers(3, model.config.vocab_size, _PROMPT_LEN.value).tolist() for _ in range(n)]
@@ -136,7 +151,7 @@ def main(argv):
                 return min(_median_ms([part(*step) for step in r[at]]) for r in runs)
 
             first, last = slice(0, 64), slice(-64, None)
-            row = {"runner": runner, "output_len": output_len, "final_outputs_only": final_only,
+            row = {"runner": runner, "output_len": output_len, "output_kind": kind, "final_outputs_only": final_only,
                    "decode_steps": len(steps),
                    "host_ms_median": _median_ms([h for h, _, _ in steps]),
                    "host_ms_median_first_64": window(lambda h, o, d: h, first),
@@ -148,7 +163,7 @@ def main(argv):
                    "device_ms_median": _median_ms([d for _, _, d in steps]),
                    "host_ms_median_per_run": [_median_ms([h for h, _, _ in r]) for r in runs]}
             rows.append(row)
-            print(f"{runner} final_outputs_only={final_only} output_len {output_len}: host {row['host_ms_median']} ms/step "
+            print(f"{runner} {kind} output_len {output_len}: host {row['host_ms_median']} ms/step "
                   f"(first 64 {row['host_ms_median_first_64']}, last 64 {row['host_ms_median_last_64']}; engine core "
                   f"{row['core_host_ms_median_first_64']} / {row['core_host_ms_median_last_64']}, output processing "
                   f"{row['output_processing_ms_median_first_64']} / {row['output_processing_ms_median_last_64']}), "
@@ -158,7 +173,7 @@ def main(argv):
     flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
     print("wrote", write_result(_OUTPUT.value, flags=flag_values, seed=0,
                                 figures={"model": model.source, "num_seqs": n, "prompt_len": _PROMPT_LEN.value,
-                                         "rows": rows}))
+                                         "note": _NOTE.value, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLMEngine": "paged_jax.engine.llm_engine",
     "EngineConfig": "paged_jax.config.engine_config",
     "SamplingParams": "paged_jax.core.sampling_params",
+    "RequestOutputKind": "paged_jax.core.sampling_params",
     "StructuredOutputsParams": "paged_jax.core.structured_outputs",
     "Logprob": "paged_jax.core.outputs",
     "BeamSearchParams": "paged_jax.core.beam_search",

@@ -49,15 +49,20 @@ def step_shape_costs(record: dict) -> list:
 
 
 def host_time_vs_output_len(record: dict) -> list:
-    """Host milliseconds per decode step early and late in long outputs, per output mode
-    (and the engine core's part, where the record has it)."""
+    """Host milliseconds per decode step early and late in long outputs, per output kind
+    (and the engine core's part, where the record has it). Records from before the output
+    kinds name two modes by `final_outputs_only`: per-step (cumulative) and final outputs."""
     fig = record["figures"]
+    modes = {"cumulative": "per-step cumulative outputs", "delta": "per-step delta outputs",
+             "final_only": "final outputs only"}
     out = []
-    for runner, final in itertools.product(("model", "host_only"), (False, True)):
-        rows = [r for r in fig["rows"] if r["final_outputs_only"] == final and r.get("runner", "model") == runner]
+    for runner, kind in itertools.product(("model", "host_only"), modes):
+        rows = [r for r in fig["rows"] if r.get("runner", "model") == runner
+                and r.get("output_kind", "final_only" if r["final_outputs_only"] else "cumulative") == kind]
         if not rows:
             continue
-        mode = "final outputs only" if final else "per-step outputs"
+        mode = modes[kind] if any("output_kind" in r for r in rows) else (
+            "final outputs only" if kind == "final_only" else "per-step outputs")
         if runner == "host_only":
             mode += ", host-only runner (no device step)"
         core = all("core_host_ms_median_first_64" in r for r in rows)

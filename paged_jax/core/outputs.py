@@ -37,6 +37,18 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append the same completion's next DELTA output (its new text, tokens and logprobs);
+        the status (finish and stop reasons, cumulative logprob, score) is the later one's."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs.extend(later.logprobs)
+        if self.top_logprobs is not None and later.top_logprobs is not None:
+            self.top_logprobs.extend(later.top_logprobs)
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.cumulative_logprob, self.score = later.cumulative_logprob, later.score
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -49,6 +61,23 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field)
     # One entry per prompt token when SamplingParams.prompt_logprobs was set (else None)
     prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge the request's next DELTA output into this one, so that one output holds what
+        both carried (vLLM's RequestOutput.add with aggregate=True): a stream whose reader
+        fell behind keeps one pending output per request, not one per step. Both must be
+        DELTA outputs of the same request; `later` is not used afterwards."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge an output of {later.request_id!r} into one of {self.request_id!r}")
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index in mine:
+                mine[c.index].add(c)
+            else:
+                self.outputs.append(c)
+        self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens
+        if self.prompt_logprobs is None:  # a DELTA stream carries them once, in its first output
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 @dataclasses.dataclass

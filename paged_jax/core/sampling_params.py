@@ -7,6 +7,7 @@ touches the engine (and the engine stays usable).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Sequence
 
@@ -21,6 +22,28 @@ def _finite(name: str, value) -> None:
     every range check and silently act as greedy; infinities are never meaningful here."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind).
+
+    A streaming server wants only what is new, a batch caller only the end: building the
+    whole completion so far for every step (CUMULATIVE) costs O(output length) per step,
+    which the other two kinds avoid."""
+
+    CUMULATIVE = 0  # every output: the whole text, token ids and logprobs so far
+    DELTA = 1  # every output: only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, once the request finished, whole
+
+
+def _output_kind(value) -> RequestOutputKind:
+    """A RequestOutputKind, or its name in any case ("delta"); anything else is refused."""
+    if isinstance(value, RequestOutputKind):
+        return value
+    if isinstance(value, str) and value.upper() in RequestOutputKind.__members__:
+        return RequestOutputKind[value.upper()]
+    allowed = ", ".join(f"RequestOutputKind.{k.name} ({k.name.lower()!r})" for k in RequestOutputKind)
+    raise ValueError(f"output_kind must be one of {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +66,12 @@ class SamplingParams:
     # A constraint the output must satisfy (a JSON schema, regex, choice, grammar: vLLM's
     # StructuredOutputsParams); None = free text
     structured_outputs: StructuredOutputsParams | None = None
+    # What each RequestOutput carries: the whole completion so far (CUMULATIVE), what is new
+    # (DELTA: a stream), or nothing until it finished (FINAL_ONLY); a name ("delta") works too
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
+        object.__setattr__(self, "output_kind", _output_kind(self.output_kind))
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         for name in ("temperature", "top_p", "min_p"):

@@ -63,8 +63,10 @@ class LLMEngine:
         """`runner_factory` (ModelRunner's signature) and `clock` (seconds) are injection
         points: experiments/simulate.py passes a model-free runner and a virtual clock, so
         a simulation runs this engine's own scheduling and bookkeeping, not a copy.
-        `final_outputs_only`: `step` returns finished requests only (no per-step output of
-        running ones, whose token lists it would copy every step). `allocator_factory`: the
+        `final_outputs_only`: `step` returns finished requests only, whatever a request's
+        SamplingParams.output_kind asks (otherwise CUMULATIVE requests get an output per
+        step with their whole completion so far, DELTA ones what is new, FINAL_ONLY ones
+        one at the end). `allocator_factory`: the
         KV allocator (EngineCore's; the paper's baselines:
         paged_jax.entrypoints.allocators.make_allocator, which paged_jax.LLM passes).
         `show_progress`: a progress bar on stderr while warm-up compiles the buckets."""

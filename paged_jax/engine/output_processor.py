@@ -7,6 +7,15 @@ that could still turn into a stop string is held back, so successive outputs' te
 prefixes of one another and of the final text, and a stream can send the difference.
 A stop string found in a running completion ends it: `process` names it among `stopped`
 for the caller to finish in the core (freeing its blocks) before the next step.
+
+What an output carries is the request's `SamplingParams.output_kind`: CUMULATIVE (the
+whole completion so far, vLLM's default), DELTA (only what is new since the request's
+previous output: the newly shown text, the new token ids and their logprobs; a stream
+concatenates them) or FINAL_ONLY (one output, when the request finished). Every step's
+work is O(new tokens) but for what a CUMULATIVE output is by definition (copies of the
+completion's lists and text, made only when an output is built): the text is taken from
+the stop-string checker piecewise, never re-joined, and a DELTA output copies only the
+new items.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.core.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from paged_jax.engine.stop_strings import StopStringChecker
@@ -33,6 +42,8 @@ class _Completion:
     stop_reason: int | str | None = None
     score: float | None = None
     finish_time: float | None = None
+    shown_text: str = ""  # CUMULATIVE: the text its outputs have shown so far (extended by each output)
+    num_sent: int = 0  # DELTA: tokens (and their logprobs) that earlier outputs carried
 
 
 @dataclasses.dataclass
@@ -48,6 +59,8 @@ class _RequestState:
     num_cached_tokens: int | None = None
     prompt_logprobs_k: int | None = None  # SamplingParams.prompt_logprobs
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs so far ([None] + one dict per position)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # beam search: its final beams, whole
+    prompt_logprobs_sent: bool = False  # DELTA: an output carried the prompt logprobs already
 
     @property
     def finished(self) -> bool:
@@ -62,8 +75,9 @@ class ProcessedOutputs:
 
 class OutputProcessor:
     def __init__(self, tokenizer, *, final_outputs_only: bool = False):
-        """`final_outputs_only`: return finished requests only (running ones are still
-        detokenized and checked for stop strings, but no output is built for them)."""
+        """`final_outputs_only`: return finished requests only, whatever their output kind
+        (running ones are still detokenized and checked for stop strings, but no output is
+        built for them): what `LLM.generate` and the benchmarks want."""
         self._detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self._final_outputs_only = final_outputs_only
         self._requests: dict[str, _RequestState] = {}
@@ -73,6 +87,7 @@ class OutputProcessor:
         state = _RequestState(request_id, prompt, list(prompt_token_ids), params.logprobs if sampling else None,
                               params.stop if sampling else None, [])
         if sampling:
+            state.output_kind = RequestOutputKind.FINAL_ONLY if self._final_outputs_only else params.output_kind
             state.completions = [self._new_completion(i, state.stops) for i in range(params.n)]
             if params.prompt_logprobs is not None:
                 state.prompt_logprobs_k, state.prompt_logprobs = params.prompt_logprobs, [None]
@@ -97,15 +112,19 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(self._prompt_position(*p) for p in out.new_prompt_logprobs)
             if not state.completions:  # beam search: its final beams, whole
                 state.completions = [self._new_completion(d.index, None) for d in out.completions]
+            moved = False
             for delta in out.completions:
                 completion = state.completions[delta.index]
                 if completion.finish_reason is not None:  # ended by a stop string already
                     continue
+                moved = True
                 stop = self._update(state, completion, delta, out.timestamp)
                 if stop is not None and delta.finish_reason is None:
                     stopped.append((out.request_id, delta.index, stop))
             finished = state.finished
-            if finished or not self._final_outputs_only:
+            kind = state.output_kind
+            if finished or (kind is RequestOutputKind.CUMULATIVE and not self._final_outputs_only) or (
+                    kind is RequestOutputKind.DELTA and moved):
                 outputs.append(self._output(state))
             if finished:
                 del self._requests[out.request_id]
@@ -145,15 +164,37 @@ class OutputProcessor:
     @staticmethod
     def _output(state: _RequestState) -> RequestOutput:
         asked = state.logprobs is not None
-        completions = [CompletionOutput(
-            index=c.index, text=c.text.shown, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
-            logprobs=list(c.logprobs) if asked else None, stop_reason=c.stop_reason,
-            cumulative_logprob=c.cumulative_logprob if asked or c.score is not None else None,
-            top_logprobs=list(c.top_logprobs) if asked and state.logprobs else None, score=c.score)
-            for c in state.completions]
+        delta = state.output_kind is RequestOutputKind.DELTA
+        completions = [OutputProcessor._completion_output(c, asked, state.logprobs, delta) for c in state.completions]
         finished = state.finished
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time,
                    "finish_time": max(c.finish_time for c in state.completions) if finished else None}
-        # prompt logprobs are complete with the request's first output (they arrive before its first token)
+        # prompt logprobs are complete with the request's first output (they arrive before its first
+        # token); a DELTA stream carries them in that output only, as vLLM does
+        prompt_logprobs = state.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished, metrics,
-                             num_cached_tokens=state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+                             num_cached_tokens=state.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _completion_output(c: _Completion, asked: bool, top_k: int | None, delta: bool) -> CompletionOutput:
+        """DELTA: the text shown and the tokens sampled since the previous output (slices of
+        what is new only); otherwise everything so far (copies: the caller may keep them
+        while the completion grows)."""
+        new_text = c.text.take()
+        if delta:
+            start, c.num_sent = c.num_sent, len(c.token_ids)
+            text, token_ids = new_text, c.token_ids[start:]
+            logprobs = c.logprobs[start:] if asked else None
+            top_logprobs = c.top_logprobs[start:] if asked and top_k else None
+        else:
+            c.shown_text += new_text
+            text, token_ids = c.shown_text, list(c.token_ids)
+            logprobs = list(c.logprobs) if asked else None
+            top_logprobs = list(c.top_logprobs) if asked and top_k else None
+        return CompletionOutput(index=c.index, text=text, token_ids=token_ids, finish_reason=c.finish_reason,
+                                logprobs=logprobs, stop_reason=c.stop_reason,
+                                cumulative_logprob=c.cumulative_logprob if asked or c.score is not None else None,
+                                top_logprobs=top_logprobs, score=c.score)

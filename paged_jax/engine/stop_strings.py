@@ -43,20 +43,25 @@ class StopStringChecker:
     """One completion's text: all of it so far, the prefix that may be shown, and the
     stop string that ended it, if one did.
 
-    The text is kept in pieces and joined only when it is read, so a step's work is the
-    new text plus the few characters before it that a stop string could start in, not
-    the whole text (which a step of a long output would otherwise copy)."""
+    The text is kept in pieces and joined only when the whole of it is read (`text`,
+    `shown`: once, for a final output), so a step's work is the new text plus the few
+    characters before it that a stop string could start in, not the whole text (which a
+    step of a long output would otherwise copy). Outputs take the shown text piecewise
+    (`take`): each call returns the part shown since the previous one, read from the last
+    pieces only, so a stream's step costs what that step added, at token 10 as at 10,000."""
 
     def __init__(self, stops: tuple[str, ...] | None):
         self.stops = tuple(stops or ())
         self._lookback = max((len(s) for s in self.stops), default=1) - 1  # a stop may start this far back
         self._pieces: list[str] = []
         self._length = 0
-        self._shown = 0
+        self._shown = 0  # text[:_shown] may be shown
+        self._taken = 0  # text[:_taken] was returned by take() (never more than _shown)
         self.stop: str | None = None
 
     @property
     def text(self) -> str:
+        """The whole text (joined here: O(length), for a final output, not for every step)."""
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
@@ -65,6 +70,13 @@ class StopStringChecker:
     def shown(self) -> str:
         """The text that can be shown now: a prefix of every later `shown`, and of the final text."""
         return self.text[: self._shown]
+
+    def take(self) -> str:
+        """The shown text that no earlier `take` returned: concatenated, the takes are `shown`.
+        It costs the characters since the previous take (plus a held-back tail), not the whole text."""
+        new = self._tail(self._taken)[: self._shown - self._taken]
+        self._taken = self._shown
+        return new
 
     def append(self, new_text: str, final: bool) -> str | None:
         """Add the completion's next text (`final`: nothing more will come); returns the
@@ -79,13 +91,22 @@ class StopStringChecker:
         tail = self._tail(tail_start) if self.stops else ""
         if self.stops and new_text:
             hit = earliest_stop(tail, old_len - tail_start, self.stops)
-            if hit is not None:
+            if hit is not None:  # the cut starts at or after what was shown (see the module docstring)
                 start, self.stop = tail_start + hit[0], hit[1]
-                self._pieces, self._length = [self.text[:start]], start
+                self._cut(start)
                 self._shown = start
                 return self.stop
         self._shown = self._length if final else self._length - partial_stop_len(tail, self.stops)
         return None
+
+    def _cut(self, length: int) -> None:
+        """Drop the text from `length` on, from the last pieces only."""
+        while self._pieces and self._length - len(self._pieces[-1]) >= length:
+            self._length -= len(self._pieces.pop())
+        if self._length > length:  # the last piece straddles the cut
+            last = self._pieces[-1]
+            self._pieces[-1] = last[: len(last) - (self._length - length)]
+            self._length = length
 
     def _tail(self, start: int) -> str:
         """text[start:], from the last pieces only."""

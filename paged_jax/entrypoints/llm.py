@@ -13,6 +13,7 @@ only the allocator interface. `from paged_jax import LLM` loads it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.entrypoints.allocators import make_allocator
 from paged_jax.loading import LoadedModel
@@ -93,6 +94,10 @@ class LLM:
     def _run(self, prompts, params, desc: str, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
         # validate (and tokenize, once) everything first; the engine takes the processed prompts as they are
         processed = [self.engine.processor.process(prompt) for prompt in prompts]
+        # only the final outputs are returned: the engine builds no output for a running request
+        # (a CUMULATIVE one would copy its whole completion every step), as vLLM's LLM asks
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams)
+                  else p for p in params]
         ids = []
         for prompt, p, priority in zip(processed, params, priorities):
             request_id = f"llm-{self._counter}"

@@ -7,7 +7,7 @@ import pytest
 import configs
 from paged_jax.baselines import reference
 from paged_jax.config.engine_config import EngineConfig
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.entrypoints.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine, completion_seed
 from paged_jax.loading import LoadedModel
@@ -121,6 +121,34 @@ def test_n_completions(llm):
     [again] = llm.generate(_ids([5, 6, 7]), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
                                                             ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in sampled.outputs]
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_generate_builds_final_outputs_only_whatever_the_kind_asked(llm, kind):
+    """LLM.generate returns finished requests only, so the engine builds no output for a
+    running one (a CUMULATIVE output copies the whole completion); the answers are the
+    same whichever kind the caller's params named."""
+    steps = []
+    step = llm.engine.step
+
+    def recording_step():
+        outputs = step()
+        steps.append(outputs)
+        return outputs
+
+    llm.engine.step = recording_step
+    try:
+        outs = llm.generate(_ids([5, 6, 7], [8, 9]), SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True,
+                                                                    logprobs=0, output_kind=kind), use_tqdm=False)
+    finally:
+        del llm.engine.step
+    assert len(steps) >= 5 and all(o.finished for outputs in steps for o in outputs)
+    assert sum(len(outputs) for outputs in steps) == 2
+    want = llm.generate(_ids([5, 6, 7], [8, 9]), SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True,
+                                                                logprobs=0), use_tqdm=False)
+    for out, w in zip(outs, want):
+        assert [(c.token_ids, c.logprobs) for c in out.outputs] == [(c.token_ids, c.logprobs) for c in w.outputs]
+        assert all(len(c.token_ids) == 5 for c in out.outputs)
 
 
 def test_stop_token_ids_and_logprobs(llm, model):

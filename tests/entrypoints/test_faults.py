@@ -77,8 +77,8 @@ def capture_streams(loop) -> list:
     """Every RequestStream the server's handlers get from `loop.submit`, in order."""
     streams, submit = [], loop.submit
 
-    def recording_submit(requests):
-        stream = submit(requests)
+    def recording_submit(requests, **kwargs):
+        stream = submit(requests, **kwargs)
         streams.append(stream)
         return stream
 

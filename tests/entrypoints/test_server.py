@@ -9,6 +9,7 @@ test_server_errors.py; the server fixture is in server_harness.py.
 
 import asyncio
 import dataclasses
+import functools
 import json
 
 import httpx
@@ -180,6 +181,38 @@ def test_n_and_seed(live_server):
     assert usage.completion_tokens == sum(len(c.token_ids) for c in first.choices) == first.usage.completion_tokens
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_concatenated_are_the_whole_answer(live_server, chat):
+    """A stream sends the engine's DELTA outputs, a whole answer its FINAL_ONLY one: with
+    n = 2 seeded samples, stop strings and top logprobs, the chunks concatenated are the
+    whole answer (text, token ids, logprobs, finish reasons, usage)."""
+    client = live_server.openai()
+    kwargs = dict(model=MODEL, n=2, temperature=1.0, seed=3, max_tokens=24, stop=[" the", ", and"], extra_body=IDS)
+    if chat:
+        create = functools.partial(client.chat.completions.create, messages=CHAT_MESSAGES[0], logprobs=True,
+                                   top_logprobs=1, **kwargs)
+    else:
+        create = functools.partial(client.completions.create, prompt="Once upon a time", logprobs=1, **kwargs)
+    whole = create(stream=False)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}))
+    assert any(c.finish_reason == "stop" for c in whole.choices)  # a stop string cut one (the seed makes it so)
+    for choice in whole.choices:
+        parts = [c for chunk in chunks for c in chunk.choices if c.index == choice.index]
+        text = "".join((c.delta.content or "") if chat else c.text for c in parts)
+        assert text == (choice.message.content if chat else choice.text)
+        assert [t for c in parts for t in getattr(c, "token_ids", None) or []] == choice.token_ids
+        assert [c.finish_reason for c in parts if c.finish_reason] == [choice.finish_reason]
+        if chat:
+            streamed = [(e.token, e.logprob) for c in parts if c.logprobs for e in c.logprobs.content]
+            assert streamed == [(e.token, e.logprob) for e in choice.logprobs.content]
+        else:
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert [x for c in parts if c.logprobs for x in getattr(c.logprobs, key)] == getattr(
+                    choice.logprobs, key)
+    usage = next(chunk.usage for chunk in chunks if chunk.usage is not None)
+    assert usage == whole.usage
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_cut_and_are_never_streamed(live_server, stream):
     want = live_server.offline["stop"].outputs[0]
@@ -239,11 +272,19 @@ def test_models_and_health(live_server):
     assert httpx.get(live_server.base_url + "/health").json() == {"status": "ok"}
 
 
-def test_metrics_parse_and_move(live_server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_parse_and_move(live_server, stream):
+    """Streamed (DELTA outputs) or whole (one FINAL_ONLY output), a request's tokens and
+    latencies are counted per engine step."""
     live_server.wait_idle()
     before = live_server.metrics()
-    r = live_server.openai().completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0,
-                                                extra_body={"ignore_eos": True})
+    kwargs = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(live_server.openai().completions.create(stream=True, stream_options={"include_usage": True},
+                                                               **kwargs))
+        r = next(c for c in chunks if c.usage is not None)
+    else:
+        r = live_server.openai().completions.create(**kwargs)
     after = live_server.metrics()
 
     def delta(name, labels=()):

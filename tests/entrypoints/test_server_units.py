@@ -9,23 +9,13 @@ from absl import flags
 
 from paged_jax.entrypoints.engine_flags import define_engine_flags, engine_config_from_flags
 from paged_jax.config.engine_config import EngineConfig
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.entrypoints.openai.errors import validation_message
 from paged_jax.entrypoints.openai.json_body import parse_json_body
 from paged_jax.entrypoints.openai.protocol import CompletionRequest
 from paged_jax.entrypoints.openai.responses import ResponseBuilder, chat_logprobs, completion_logprobs
-from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
-
-
-def test_deltas_send_what_is_new_and_never_take_back():
-    t = TextDeltaTracker()
-    assert t.delta("Hi") == "Hi"
-    assert t.delta("Hi") == ""  # a step whose tokens added no text yet (held back by the engine)
-    assert t.delta("Hi there") == " there"
-    assert t.delta("Hi") == ""  # never expected (the engine's texts only grow): nothing is taken back
-    assert t.sent == "Hi there"
 
 
 class _PieceTokenizer:
@@ -39,20 +29,26 @@ class _PieceTokenizer:
 
 def _stream(token_ids, stops):
     """Feed one completion's tokens, one per step, through the engine's output processor
-    and a streaming completions ResponseBuilder; returns the chunks' bodies and the
-    non-streamed body of the final output."""
+    (DELTA outputs, as the server streams) and a streaming completions ResponseBuilder;
+    returns the chunks' bodies and the non-streamed body of the same steps' final output."""
     tokenizer = _PieceTokenizer()
     processor = OutputProcessor(tokenizer)
-    processor.add_request("e0", None, [1], SamplingParams(max_tokens=len(token_ids), stop=stops, logprobs=0))
+    whole_processor = OutputProcessor(tokenizer)
+    for p, kind in ((processor, RequestOutputKind.DELTA), (whole_processor, RequestOutputKind.FINAL_ONLY)):
+        p.add_request("e0", None, [1], SamplingParams(max_tokens=len(token_ids), stop=stops, logprobs=0,
+                                                      output_kind=kind))
     builder = ResponseBuilder(chat=False, request_id="cmpl-1", model="m", engine_ids=["e0"], n=1,
                               tokenizer=tokenizer, logprobs=0)  # as app.py builds it
     bodies = []
     for step, token in enumerate(token_ids):
         last = step == len(token_ids) - 1
         delta = CompletionDelta(0, [token], [-0.5], None, -0.5 * (step + 1), "length" if last else None)
-        [out] = processor.process([EngineCoreOutput("e0", [delta], last, float(step), 0.0, 0.0, 0)]).request_outputs
+        core = EngineCoreOutput("e0", [delta], last, float(step), 0.0, 0.0, 0)
+        [out] = processor.process([core]).request_outputs
+        final = whole_processor.process([core]).request_outputs
         bodies += [json.loads(c.removeprefix("data: ")) for c in builder.chunks(out)]
         if out.finished:
+            [out] = final
             break
     whole = ResponseBuilder(chat=False, request_id="cmpl-2", model="m", engine_ids=["e0"], n=1,
                             tokenizer=tokenizer, logprobs=0).response([out])

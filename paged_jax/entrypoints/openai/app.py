@@ -122,13 +122,13 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{settings.served_model_name!r}", param="model", code="model_not_found")
 
-    async def submit(group: list[EngineRequest], prompt_param: str) -> RequestStream:
+    async def submit(group: list[EngineRequest], prompt_param: str, recorder: RequestRecorder) -> RequestStream:
         num_seqs = sum(r.params.n for r in group)
         if num_seqs > settings.max_waiting_requests:
             raise bad_request(f"the request asks for {num_seqs} sequences (prompts x n); the server queues at most "
                               f"{settings.max_waiting_requests}", "n")
         try:
-            stream = loop.submit(group)
+            stream = loop.submit(group, on_step=recorder.on_step)
         except QueueFull as exc:
             raise server_busy(str(exc)) from exc
         except EngineDead as exc:
@@ -159,8 +159,8 @@ def build_app(engine, settings: ServerSettings | None = None, *, kv_connector=No
     async def run(request: Request, builder: ResponseBuilder, group: list[EngineRequest], stream_mode: bool,
                   include_usage: bool):
         """Serve the group; a whole answer of an export request carries its kv_transfer_params."""
-        recorder = RequestRecorder(metrics)
-        stream = await submit(group, "messages" if builder.chat else "prompt")
+        recorder = RequestRecorder(metrics, delta=stream_mode)  # streams get DELTA outputs (request_mapping.py)
+        stream = await submit(group, "messages" if builder.chat else "prompt", recorder)
         watcher = asyncio.create_task(watch_disconnect(request, stream))
         if not stream_mode:
             try:

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.engine.core_outputs import EngineCoreOutput
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.entrypoints.openai.request_stream import ACCEPTED, RequestAborted, RequestStream
@@ -155,12 +155,15 @@ class EngineLoop:
             return dict(self._stats, num_pending=self._num_pending)
 
     # ---- requests (event-loop thread) --------------------------------------------------
-    def submit(self, requests: list[EngineRequest]) -> RequestStream:
+    def submit(self, requests: list[EngineRequest], *, on_step: Callable[[], None] | None = None) -> RequestStream:
         """Queue a group of engine requests (one HTTP request). Raises QueueFull or
-        EngineUnavailable; bad prompts surface from `RequestStream.accepted()`."""
+        EngineUnavailable; bad prompts surface from `RequestStream.accepted()`. `on_step()`
+        runs on the event loop as each step's output of one of them arrives (metrics)."""
         loop = self._loop
         num_seqs = sum(r.params.n for r in requests)
-        stream = RequestStream(self, [r.request_id for r in requests], self.output_processor)
+        delta_ids = [r.request_id for r in requests if getattr(r.params, "output_kind", None) is RequestOutputKind.DELTA]
+        stream = RequestStream(self, [r.request_id for r in requests], self.output_processor, delta_ids=delta_ids,
+                               on_step=on_step)
 
         def deliver(item, _put=stream.put):
             try:

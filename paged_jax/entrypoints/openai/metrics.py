@@ -104,28 +104,36 @@ class ServerMetrics:
 
 
 class RequestRecorder:
-    """Per-HTTP-request timing: feed it every RequestOutput, then `finish` or `abort`."""
+    """Per-HTTP-request timing: `on_step` as each engine step's output of the request
+    arrives (its stream calls it: the timing does not depend on how often the handler gets
+    an output, once at the end for a whole answer), `on_output` with every RequestOutput
+    the handler takes, then `finish` or `abort`."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, *, delta: bool = False):
+        """`delta`: the handler's outputs are DELTA (a stream: tokens add up over outputs),
+        else each holds the whole completion so far."""
         self.metrics = metrics
         self.start = time.monotonic()
-        self._last: float | None = None  # time of the last output that added tokens
+        self._delta = delta
+        self._last: float | None = None  # time of the last step that gave tokens
         self._tokens: dict[str, int] = {}  # engine request id -> tokens generated so far
         self._prompt_tokens: dict[str, int] = {}
         self._reasons: list[str] = []
         self._done = False
 
-    def on_output(self, out: RequestOutput) -> None:
+    def on_step(self) -> None:
+        """One engine step gave one of the request's engine requests new tokens."""
         now = time.monotonic()
+        if self._last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self._last)
+        self._last = now
+
+    def on_output(self, out: RequestOutput) -> None:
         tokens = sum(len(c.token_ids) for c in out.outputs)
         self._prompt_tokens[out.request_id] = len(out.prompt_token_ids)
-        if tokens > self._tokens.get(out.request_id, 0):
-            if self._last is None:
-                self.metrics.ttft.observe(now - self.start)
-            else:
-                self.metrics.itl.observe(now - self._last)
-            self._last = now
-        self._tokens[out.request_id] = tokens
+        self._tokens[out.request_id] = self._tokens.get(out.request_id, 0) + tokens if self._delta else tokens
         if out.finished:
             self._reasons.extend(c.finish_reason for c in out.outputs)
 

@@ -17,7 +17,7 @@ import dataclasses
 
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import CompletionOutput
-from paged_jax.core.sampling_params import SamplingParams
+from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.core.structured_outputs import KINDS, StructuredOutputsParams
 from paged_jax.engine.processor import validate_max_tokens
 from paged_jax.entrypoints.openai.errors import bad_request
@@ -313,7 +313,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
             stop=tuple(stop) if stop else None,
             stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
             ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured_outputs(req))
+            structured_outputs=structured_outputs(req),
+            # a stream sends what is new each step, a whole answer waits for the end (vLLM's choice)
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

@@ -12,15 +12,19 @@ the completion already ended.
 The handler takes outputs when it is ready (`next`), which is only as fast as its
 client reads: a client that stops reading fills the socket, the handler blocks in its
 send, and outputs pile up here. They cannot pile up without bound, and the engine is
-never held back: a RequestOutput is cumulative (the whole text and token list so far),
-so a newer output of a request replaces the one the handler has not taken yet, which it
-contains, and each request holds at most one pending output however long its client
-stalls, as vLLM's RequestOutputCollector merges the deltas of a request nobody reads.
-When the client comes back the handler sends everything new in one chunk (responses.py
-sends the difference from what it sent). Processing on arrival also means a stalled
-client's stop string still ends its completion in the core at once, instead of the
-request generating to max_tokens while nobody reads. A client that goes away is aborted
-by the handler's disconnect watcher (app.py); its pending output is dropped then.
+never held back: each request holds at most one pending output however long its client
+stalls. A stream's requests are DELTA (each output carries what is new since the last:
+the server's streams, whose per-step work is then O(new tokens)), so a newer output is
+merged into the pending one (RequestOutput.add, as vLLM's RequestOutputCollector merges
+the deltas of a request nobody reads); a CUMULATIVE output holds everything the older one
+did and replaces it; a FINAL_ONLY request (a whole answer) has one output, at the end.
+When the client comes back the handler sends everything new in one chunk. Processing on
+arrival also means a stalled client's stop string still ends its completion in the core
+at once, instead of the request generating to max_tokens while nobody reads. A client
+that goes away is aborted by the handler's disconnect watcher (app.py); its pending
+output is dropped then. `on_step` (the handler's RequestRecorder) hears of each step that
+gave a request tokens as it arrives, whatever the output kind: time to first token and
+inter-token latency do not depend on how often the handler gets an output.
 
 Only the event loop thread touches a stream and the OutputProcessor.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection
 
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.engine.output_processor import OutputProcessor
@@ -45,9 +50,14 @@ class RequestAborted(Exception):
 class RequestStream:
     """One HTTP request's engine requests and their outputs, each request's in step order."""
 
-    def __init__(self, owner, request_ids: list[str], processor: OutputProcessor):
+    def __init__(self, owner, request_ids: list[str], processor: OutputProcessor, *,
+                 delta_ids: Collection[str] = (), on_step: Callable[[], None] | None = None):
+        """`delta_ids`: the requests whose outputs are DELTA (merged while pending, not
+        replaced); `on_step()`: called as each engine output of the stream's requests arrives."""
         self._owner, self._processor = owner, processor
         self.request_ids = request_ids
+        self._delta_ids = frozenset(delta_ids)
+        self._on_step = on_step
         self.unfinished = set(request_ids)  # requests whose final output the handler has not taken
         self.aborted = False  # set by abort(): the outputs stop and the request counts as aborted
         self.num_received = 0  # engine outputs that arrived (for tests and debugging)
@@ -70,6 +80,8 @@ class RequestStream:
             self._error = item
         else:
             self.num_received += 1
+            if self._on_step is not None:
+                self._on_step()
             self._process(item)
         self._wakeup.set()
 
@@ -84,8 +96,11 @@ class RequestStream:
         for request_id, index, stop in processed.stopped:
             self._owner.finish_sequence(request_id, index, stop)
         for out in processed.request_outputs:  # none once a stop string ended the request
-            self._latest.pop(out.request_id, None)  # the newer output holds everything the older one did
-            self._latest[out.request_id] = out
+            pending = self._latest.pop(out.request_id, None)
+            if pending is not None and out.request_id in self._delta_ids:
+                pending.add(out)  # one pending output with both steps' new text and tokens
+                out = pending
+            self._latest[out.request_id] = out  # (CUMULATIVE: the newer output holds everything the older did)
 
     @property
     def num_pending(self) -> int:

@@ -1,9 +1,11 @@
 """Engine outputs -> OpenAI response bodies and streaming chunks.
 
 An HTTP request with P prompts and n completions each is P engine requests; OpenAI's
-choice index is `prompt_index * n + completion.index`. Streams send the new part of the
-text the engine shows (it holds back what may still change; text_delta.py) and each new
-token's logprob with the chunk of the step that produced it. A token's `text_offset` is
+choice index is `prompt_index * n + completion.index`. Streams take the engine's DELTA
+outputs (SamplingParams.output_kind): each carries the text newly shown (the engine holds
+back what may still change, so nothing sent is ever taken back), the new token ids and
+their logprobs, which a chunk sends as they are: a step's work is what it added, however
+long the completion already is. A token's `text_offset` is
 where its text starts among the completion's tokens (the sum of the earlier tokens' text
 lengths), the same in a stream as in a whole response: it does not depend on how much
 text has been shown yet, which lags while a possible stop string is held back. Top
@@ -19,7 +21,6 @@ import time
 from paged_jax.core.outputs import CompletionOutput, RequestOutput
 from paged_jax.entrypoints.openai import protocol as p
 from paged_jax.entrypoints.openai.prompt_echo import echo_logprobs, join_logprobs, prompt_logprobs_body, text_length
-from paged_jax.entrypoints.openai.text_delta import TextDeltaTracker
 
 
 # Line breaks to Python's str.splitlines (so to httpx's and requests' iter_lines) but not
@@ -93,8 +94,8 @@ class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, engine_ids: list[str], n: int, tokenizer,
                  logprobs: int | None, return_token_ids: bool = False, echo: bool = False, echo_only: bool = False,
                  prompt_texts: list[str | None] | None = None, prompt_logprobs: bool = False):
-        """The engine's texts already hold back a possible stop string's start, so each chunk
-        sends what is new in them. `echo`: each choice starts with its prompt's text
+        """Streams: `chunks` takes DELTA outputs (what is new since the request's previous
+        output); `response` takes whole (FINAL_ONLY or CUMULATIVE) final outputs. `echo`: each choice starts with its prompt's text
         (`prompt_texts[prompt index]`, or its ids decoded where None; chat: the text to put
         before the reply, the same for every choice), and completions' logprobs with the
         prompt's; `echo_only` (max_tokens 0): the prompt alone, the engine's one token left
@@ -105,8 +106,7 @@ class ResponseBuilder:
         self._token_text = _TokenText(tokenizer)
         self.logprobs = logprobs  # None: off; k >= 0: the sampled token's logprob and k alternatives
         self.return_token_ids = return_token_ids
-        self._trackers: dict[int, TextDeltaTracker] = {}
-        self._num_sent_tokens: dict[int, int] = {}
+        self._num_sent_tokens: dict[int, int] = {}  # per choice: tokens its chunks carried
         self._token_text_len: dict[int, int] = {}  # per choice: text length of its tokens sent so far
         self._finished: set[int] = set()
         self.echo, self.echo_only, self.prompt_logprobs = echo, echo_only, prompt_logprobs
@@ -198,7 +198,8 @@ class ResponseBuilder:
                 for i in range(num_choices)]
 
     def chunks(self, out: RequestOutput) -> list[str]:
-        """Chunks for the new part of every completion in `out` (none for a held-back tail)."""
+        """Chunks for what a DELTA output adds to each completion (none where a step added
+        only held-back text and nothing else)."""
         result = []
         for c in out.outputs:
             i = self.index(out.request_id, c)
@@ -209,15 +210,14 @@ class ResponseBuilder:
                 result.append(self._chunk([self._first_completion_chunk(out, c, i)]))
                 if self.echo_only:
                     continue
-            text = self._trackers.setdefault(i, TextDeltaTracker()).delta(c.text)
-            start = self._num_sent_tokens.get(i, 0)
-            new_tokens = len(c.token_ids) > start
+            text = c.text
+            new_tokens = len(c.token_ids) > 0
             offset = self._token_text_len[i] if i in self._token_text_len else self._echo_offset(out)
-            lps = self._logprobs(c, start, offset) if new_tokens else None
-            ids = self._ids(c, start) if new_tokens else None
-            self._num_sent_tokens[i] = len(c.token_ids)
+            lps = self._logprobs(c, 0, offset) if new_tokens else None
+            ids = self._ids(c, 0) if new_tokens else None
+            self._num_sent_tokens[i] = self._num_sent_tokens.get(i, 0) + len(c.token_ids)
             if lps is not None and not self.chat:
-                self._token_text_len[i] = offset + sum(len(self._token_text(t)) for t in c.token_ids[start:])
+                self._token_text_len[i] = offset + sum(len(self._token_text(t)) for t in c.token_ids)
             if self.chat and self.echo and i not in self._echo_sent:  # the reply starts with the echoed text
                 self._echo_sent.add(i)
                 text = (self._prompt_texts[0] or "") + text
@@ -244,4 +244,9 @@ class ResponseBuilder:
         return choice.model_copy(update={"finish_reason": None, "token_ids": [] if self.return_token_ids else None})
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> str:
-        return self._chunk([], usage(outputs, generated=not self.echo_only))
+        """The stream's usage: prompt tokens from `outputs` (the requests' final DELTA
+        outputs), completion tokens as the chunks carried them."""
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(self._num_sent_tokens.values()) if not self.echo_only else 0
+        return self._chunk([], p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                                           total_tokens=prompt + completion))
