@@ -226,11 +226,12 @@ def main(argv):
 def _offline(engine, trace) -> float:
     """The trace through the engine without the server (all requests at once, greedy, the
     engine's own step loop, final outputs only); output tokens per second."""
-    from paged_jax.core.sampling_params import SamplingParams
+    from paged_jax.core.sampling_params import RequestOutputKind, SamplingParams
 
     start = time.perf_counter()
     for i, request in enumerate(trace):
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=request.max_tokens)
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=request.max_tokens,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"offline-{i}", {"prompt_token_ids": list(request.prompt_token_ids)}, params)
     tokens = 0
     while engine.has_unfinished_requests():

@@ -168,6 +168,9 @@ def benchmark_serving(record: dict) -> list:
              + (" (queueing)" if at_once else ""))
     if fig.get("num_failed"):
         value += f"; {fig['num_failed']} failed"
+    if "server_vs_offline" in fig:
+        value += (f"; offline on the same engine {fig['offline_output_token_throughput']:.0f} output tok/s: the "
+                  f"server serves {100 * fig['server_vs_offline']:.0f}% of it")
     return [((f"serving over loopback, {fig['num_requests']} {workload_label(flags.get('workload'))} requests "
              f"{arrivals} (scale {flags.get('scale')}: prompts {fig['mean_prompt_tokens']:.0f}, outputs "
              f"{fig['mean_output_tokens']:.0f} tokens), {flags.get('model')}, {engine_words}"), value)]
