@@ -144,3 +144,18 @@ def bf16_agreement(record: dict) -> list:
              f"{where}; logits max |bf16 - f32| {lg['max_abs_diff']:.3g}, mean {lg['mean_abs_diff']:.3g} (mean "
              f"|f32 logit| {lg['mean_abs_f32_logit']:.3g}), top-1 agreement {rr._pct(lg['top1_agreement'])}{flips}"
              f"{near}")]
+
+
+def ab_revisions(record: dict) -> list:
+    """Two revisions (or settings) of paged_jax on one trace, A B A B: each side's best output tok/s."""
+    fig = record["figures"]
+    sides = fig["revisions"]
+
+    def side(s):
+        engine = ", ".join(f"{k}={v}" for k, v in sides[s]["engine"].items())
+        return f"{sides[s]['revision']} ({sides[s]['commit'][:7]}{', ' + engine if engine else ''})"
+    equal = "outputs equal token for token" if fig["outputs_equal"] else "outputs DIFFER"
+    return [((f"A/B of revisions, {fig['num_requests']} ShareGPT-like requests (output cap {fig['max_output_tokens']}), "
+              f"{rr.model_label(fig.get('model'))}: A {side('a')} / B {side('b')}{rr._cpu_note(record)}"),
+             f"{fig['best_output_tokens_per_s']['a']:.1f} / {fig['best_output_tokens_per_s']['b']:.1f} output tok/s "
+             f"(B/A {fig['b_over_a']:.3f}); {equal}")]

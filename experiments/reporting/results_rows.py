@@ -335,7 +335,7 @@ def generic(record: dict) -> list:
 
 
 # the peer comparisons' builders live in peer_rows.py (imported here, after the helpers they use)
-from experiments.reporting.peer_rows import (bf16_agreement, peer_hf, peer_vllm, roofline,  # noqa: E402
+from experiments.reporting.peer_rows import (ab_revisions, bf16_agreement, peer_hf, peer_vllm, roofline,  # noqa: E402
                                              trace_step_breakdown, weight_layout)
 
 from experiments.reporting import eval_rows  # noqa: E402  (lm_eval_run's row)
@@ -354,7 +354,7 @@ BUILDERS = {
     "attention_backends": kernel_rows.attention_backends,
     "prefix_cache_ttft": prefix_cache_ttft, "sharing_savings": sharing_savings,
     "benchmark_serving": benchmark_serving, "benchmark_throughput": benchmark_throughput, "peer_hf": peer_hf,
-    "peer_vllm": peer_vllm, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
+    "peer_vllm": peer_vllm, "ab_revisions": ab_revisions, "trace_step_breakdown": trace_step_breakdown, "weight_layout": weight_layout,
     "roofline": roofline, "helper_threads": helper_threads, "bf16_agreement": bf16_agreement,
     "lm_eval_run": eval_rows.lm_eval_run,
     "serving_sweep": serving_sweep, "sweep_block_size": sweep_block_size, "calibrate_step_time": calibrate_step_time,
