@@ -90,7 +90,7 @@ class Reference:
 
     def sampling_scores(self, ids, prompt_len: int, seed: int, temperature: float) -> np.ndarray:
         """logits / T + the Gumbel noise of draw number len(ids) - prompt_len with `seed`
-        (a completion's own seed: engine.core.completion_seed), i.e. what the draw maximizes."""
+        (a completion's own seed: engine.core_requests.completion_seed), i.e. what the draw maximizes."""
         import jax
         key = jax.random.fold_in(jax.random.key(np.uint32(seed)), len(ids) - prompt_len)
         gumbel = np.asarray(jax.random.gumbel(key, (self.vocab_size,), np.float32), np.float64)
@@ -107,7 +107,7 @@ def corrupt(token_ids: list[int], position: int, vocab_size: int) -> list[int]:
 def compare_choice(req: SoakRequest, index: int, served: dict, offline, reference: Reference) -> dict | None:
     """None if served choice `index` agrees with the offline output; else what differs.
     'near_tie' entries are accepted differences (greedy_check's rule), all others mismatches."""
-    from paged_jax.engine.engine_core import completion_seed
+    from paged_jax.engine.core_requests import completion_seed
     from tests.helpers.greedy_check import assert_greedy_match
 
     want, got = list(offline.token_ids), list(served["token_ids"])

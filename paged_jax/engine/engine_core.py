@@ -16,7 +16,6 @@ next beams each step (beam_orchestration.py).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import NamedTuple
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.config.model_config import ModelConfig
-from paged_jax.core.beam_search import BeamSearchParams, BeamSearchState, num_candidates
+from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.block_manager import BlockManager
 from paged_jax.core.sampling_params import SamplingParams
 from paged_jax.core.scheduler import Scheduler
@@ -32,7 +31,8 @@ from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence, SequenceStatus
 from paged_jax.engine.beam_orchestration import advance_beams, beam_results
 from paged_jax.engine.core_outputs import CompletionDelta, EngineCoreOutput
-from paged_jax.engine.kv_sizing import check_capacity, check_group_fits, resolve_config
+from paged_jax.engine.core_requests import CoreRequest, RequestBuilder
+from paged_jax.engine.kv_sizing import check_capacity, resolve_config
 from paged_jax.engine.kv_transfer import PromptKV, export_prompt_kv, import_prompt_kv
 from paged_jax.engine.pool_check import PoolChecker
 from paged_jax.engine.processor import ProcessedPrompt, int_list, validate_max_tokens, validate_prompt_token_ids
@@ -40,14 +40,6 @@ from paged_jax.engine.grammar_matchers import StructuredOutputManager
 from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
 from paged_jax.worker.model_runner import DispatchedStep, ModelRunner
-
-_GOLDEN = 0x9E3779B1  # spreads (seed, index) pairs over 32-bit seeds
-
-
-def completion_seed(request_seed: int, index: int) -> int:
-    """The seed of completion `index` of a request: its stream depends on nothing else."""
-    return (request_seed + index * _GOLDEN) % 2**32
-
 
 def paged_allocator(config: EngineConfig, num_host_blocks: int) -> BlockManager:
     """The paged BlockManager for a resolved `config` (the default `allocator_factory`)."""
@@ -66,36 +58,6 @@ class _InFlight(NamedTuple):
     handle: DispatchedStep
     sampled: list[tuple[int, Sequence]]  # (row, sequence) of the chunks that sample (Scheduler.update)
     feed_rows: dict[int, int]  # sequence id -> its row: where the next step finds its token on the device
-
-
-@dataclasses.dataclass
-class _CoreRequest:
-    request_id: str
-    params: SamplingParams | BeamSearchParams
-    seqs: list[Sequence]  # sampling: the n completions; beam search: the live beams, in beam order
-    stop_ids: frozenset[int]
-    arrival_time: float
-    root: Sequence  # the first sequence: its prefix-cache hits are the request's num_cached_tokens
-    beam: BeamSearchState | None = None
-    # a beam search or structured outputs: its next step needs its tokens on the host (`_needs_tokens_now`)
-    host_fed: bool = False
-    # prompt logprobs computed since the request's last output: (token, logprob, rank, top-k)
-    pending_prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = dataclasses.field(
-        default_factory=list)
-
-    @property
-    def first_token_time(self) -> float | None:
-        """The root samples the request's first token: forks and beams join after it."""
-        return self.root.first_token_time
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done or all(s.status.finished for s in self.seqs)
-        seqs = self.seqs
-        if len(seqs) == 1:  # most requests, checked twice per step each
-            return seqs[0].status.finished
-        return all(s.status.finished for s in seqs)
 
 
 class EngineCore:
@@ -139,10 +101,10 @@ class EngineCore:
         self.stats_tracker = EngineStats(self.block_manager, self.scheduler, self.runner,
                                          paper_metrics=config.paper_metrics)
         self.pool_checker = PoolChecker(config.pool_check)  # leaks reported after steps and aborts
-        self._requests: dict[str, _CoreRequest] = {}
+        self._requests: dict[str, CoreRequest] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._next_seq_id = 0
-        self._rng = np.random.default_rng(config.seed)
+        self._requests_builder = RequestBuilder(model_config, config, self.block_manager, self.runner.num_top_logprobs,
+                                                structured_outputs)
         self._prompt_limits = (self.config.max_model_len, model_config.vocab_size)  # validate_prompt_token_ids
         self._num_host_fed = 0  # live requests with host_fed (beam search, structured outputs)
         self._in_flight: _InFlight | None = None  # async scheduling: the step dispatched last, not yet read
@@ -176,63 +138,14 @@ class EngineCore:
             validate_prompt_token_ids(token_ids, *self._prompt_limits)
         validate_max_tokens(len(token_ids), params.max_tokens, self.config.max_model_len)  # no silent clamp
         now = self._clock() if arrival_time is None else arrival_time
-        if isinstance(params, BeamSearchParams):
-            request = self._beam_request(request_id, token_ids, params, now, cache_salt)
-        else:
-            request = self._sampling_request(request_id, token_ids, params, now, cache_salt)
+        request = self._requests_builder.build(request_id, token_ids, params, now, cache_salt)
         request.host_fed = request.beam is not None or params.structured_outputs is not None  # (a beam request never reads the field: it has none)
         self._num_host_fed += request.host_fed
         self._requests[request_id] = request
         for seq in request.seqs:
-            seq.priority = int(priority)  # forked completions and beams inherit it (_fork_of)
+            seq.priority = int(priority)  # forked completions and beams inherit it (RequestBuilder.fork_of)
             self._seqs[seq.seq_id] = seq
         self.scheduler.add(request.seqs[0])
-
-    def _sampling_request(self, request_id, token_ids, params: SamplingParams, now, cache_salt) -> _CoreRequest:
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs="
-                             f"{self.config.max_logprobs}")
-        if params.structured_outputs is not None:
-            if self.structured_outputs is None:
-                raise ValueError("structured_outputs needs an engine with a (fast Hugging Face) tokenizer and "
-                                 "llguidance installed")
-            self.structured_outputs.check(params.structured_outputs)  # an invalid grammar: ValueError, nothing queued
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the engine's max_logprobs="
-                             f"{self.config.max_logprobs}")
-        check_group_fits(self.config, self.block_manager, params.n, len(token_ids) + params.max_tokens)
-        base_seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        seqs = [self._new_seq(request_id, index, token_ids, params, now, completion_seed(base_seed, index),
-                              cache_salt) for index in range(params.n)]
-        seqs[0].pending_forks = seqs[1:]  # forked once the prompt (but its last token) is computed
-        return _CoreRequest(request_id, params, seqs, params.all_stop_token_ids(self.model_config.eos_token_ids),
-                            now, root=seqs[0])
-
-    def _beam_request(self, request_id, token_ids, params: BeamSearchParams, now, cache_salt) -> _CoreRequest:
-        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
-        needed = num_candidates(params.beam_width, len(eos))
-        if needed > self.runner.num_top_logprobs:
-            raise ValueError(f"beam_width={params.beam_width} needs the top {needed} tokens per beam; the engine "
-                             f"returns {self.runner.num_top_logprobs} (raise max_logprobs)")
-        check_group_fits(self.config, self.block_manager, params.beam_width, len(token_ids) + params.max_tokens)
-        max_new = min(params.max_tokens, self.config.max_model_len - len(token_ids))
-        # the sampled token is unused; logprobs=needed makes the runner return each beam's candidates
-        greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=needed)
-        seq = self._new_seq(request_id, 0, token_ids, greedy, now, 0, cache_salt)
-        return _CoreRequest(request_id, params, [seq], eos, now, root=seq, beam=BeamSearchState(params, eos, max_new))
-
-    def _new_seq(self, request_id, index, token_ids, params, now, seed, cache_salt) -> Sequence:
-        seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
-                       prompt_token_ids=list(token_ids), sampling_params=params, arrival_time=now, seed=seed,
-                       cache_salt=cache_salt)
-        self._next_seq_id += 1
-        return seq
-
-    def _fork_of(self, parent: Sequence) -> Sequence:
-        seq = self._new_seq(parent.request_id, 0, parent.prompt_token_ids, parent.sampling_params,
-                            parent.arrival_time, 0, parent.cache_salt)
-        seq.priority = parent.priority
-        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks at once (unknown or finished ids: no-op)."""
@@ -272,8 +185,8 @@ class EngineCore:
         """Adopt another engine's prompt K/V into this one's prefix cache (kv_transfer.py);
         returns the blocks written. Call it right before adding the request."""
         self._require_kv_transfer()
-        scratch = self._next_seq_id
-        self._next_seq_id += 1
+        scratch = self._requests_builder.next_seq_id
+        self._requests_builder.next_seq_id += 1
         written = import_prompt_kv(self.block_manager, self.runner, kv, scratch)
         self.stats_tracker.num_imported_blocks += written
         return written
@@ -422,7 +335,7 @@ class EngineCore:
                 self._drop(request)
         return outputs
 
-    def _append_token(self, request: _CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
+    def _append_token(self, request: CoreRequest, seq: Sequence, result, row: int, now: float) -> CompletionDelta:
         token = int(result.tokens[row])
         seq.output_token_ids.append(token)
         known = seq.num_known_tokens
@@ -476,15 +389,15 @@ class EngineCore:
                                                     int(prompt.ranks[i]), top))
             seq.num_prompt_logprobs = index
 
-    def _advance_beams(self, request: _CoreRequest) -> None:
-        step = advance_beams(request.beam, request.seqs, self.scheduler, self._fork_of)
+    def _advance_beams(self, request: CoreRequest) -> None:
+        step = advance_beams(request.beam, request.seqs, self.scheduler, self._requests_builder.fork_of)
         for seq in step.forked:
             self._seqs[seq.seq_id] = seq
         for seq in step.dropped:
             self._seqs.pop(seq.seq_id, None)
         request.seqs = step.beams
 
-    def _drop(self, request: _CoreRequest) -> None:
+    def _drop(self, request: CoreRequest) -> None:
         del self._requests[request.request_id]
         self._num_host_fed -= request.host_fed
         for seq in request.seqs:

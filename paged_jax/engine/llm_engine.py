@@ -24,7 +24,8 @@ from paged_jax.config.engine_config import EngineConfig
 from paged_jax.core.beam_search import BeamSearchParams
 from paged_jax.core.outputs import RequestOutput
 from paged_jax.core.sampling_params import SamplingParams
-from paged_jax.engine.engine_core import EngineCore, completion_seed, paged_allocator
+from paged_jax.engine.core_requests import completion_seed
+from paged_jax.engine.engine_core import EngineCore, paged_allocator
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.processor import ProcessedPrompt, Processor
 from paged_jax.engine.grammar_matchers import GrammarCompiler, StructuredOutputManager

@@ -75,7 +75,7 @@ def _serve(**config) -> BatchCheckingRunner:
     engine.add_request("last", {"prompt_token_ids": [7, 8]}, SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    last = engine.core._next_seq_id - 1
+    last = engine.core._requests_builder.next_seq_id - 1
     assert len(engine.runner.host_tables) == 1 and last in engine.runner.host_tables
     return engine
 
