@@ -48,6 +48,22 @@ def test_full_blocks_are_cached_and_hit():
     assert len(bm.find_cached_prefix(_tokens(a[:4]), 4)) == 1
 
 
+def test_blocks_are_keyed_only_over_known_tokens():
+    """Async scheduling allocates a slot for a token still on the device (its id unknown): the
+    block it fills is not registered (its key would name a placeholder) until the id is read."""
+    bm = _bm()
+    ids = [5, 6, 7, -1]  # the last is pending: its id reads as a placeholder
+    bm.allocate_slots(1, 3, tokens=_tokens(ids))
+    bm.allocate_slots(1, 4, tokens=_tokens(ids), num_known_tokens=3)  # fills block [7, ?]
+    assert bm.num_blocks_cached == 1
+    assert len(bm.find_cached_prefix(_tokens([5, 6, 7, -1, 0]), 5)) == 1
+    ids[3] = 8  # read back
+    bm.cache_known_blocks(1, _tokens(ids), 4)
+    assert bm.num_blocks_cached == 2
+    assert [h.block_id for h in bm.find_cached_prefix(_tokens([5, 6, 7, 8, 0]), 5)] == bm.block_table(1)[:2]
+    assert bm.find_cached_prefix(_tokens([5, 6, 7, -1, 0]), 5)[1:] == []  # no block under the placeholder
+
+
 def test_hash_is_chained_and_key_verified():
     bm = _bm()
     bm.allocate_slots(1, 4, tokens=_tokens([5, 6, 7, 8]))
