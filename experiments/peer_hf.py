@@ -116,7 +116,7 @@ def hf_static(model, requests, batch_size: int, progress: bool = True):
     return outputs, figures
 
 
-def hf_continuous(model, requests, progress: bool = True, warmup: bool = False):
+def hf_continuous(model, requests, progress: bool = True, warmup: bool = False, num_blocks: int | None = None):
     """(outputs, figures) from transformers' continuous batching manager, each request with
     its own max_new_tokens (generate_batch takes one for all); raises if any request fails.
     Like our engine's warm-up, the manager's set-up (allocating its paged cache, ~10 s here;
@@ -124,7 +124,8 @@ def hf_continuous(model, requests, progress: bool = True, warmup: bool = False):
     the requests' own spans (first scheduled to last finished, perf_counter stamps of its
     GenerationOutput.lifespan), wall_with_setup_s apart. The workload hints and the warm-up
     switch are passed where this transformers version takes them (the lent GPU machines'
-    can be older than this host's)."""
+    can be older than this host's), as is `num_blocks` (its cache's size; None: what it infers
+    from free memory, which on a CPU host is a minute of set-up, too long for a dry run)."""
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
                               eos_token_id=-1, pad_token_id=PAD)  # -1: EOS disabled in its manager
@@ -135,6 +136,9 @@ def hf_continuous(model, requests, progress: bool = True, warmup: bool = False):
         extra["workload_hints"] = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
                                                 max_generated_length=max(r.max_tokens for r in requests),
                                                 num_requests=len(requests))
+    if num_blocks is not None and "continuous_batching_config" in accepted:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        extra["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=num_blocks)
     results = {}
     start = time.perf_counter()
     with fresh_generation_config(model), model.continuous_batching_context_manager(
