@@ -23,8 +23,8 @@ inferred from CPU records. One run of --engine=paged_jax (the default):
      slow the host, which the device waits for);
   4. the decode roofline of that window's step: the weights as served plus every sequence's
      K/V (each byte read once per step) over the device's measured memory bandwidth
-     (experiments/benchmarks/device_ceilings.py; the same bytes experiments/roofline.py
-     counts on CPU), beside the step's matmul FLOPs over a measured bf16 matmul rate; the
+     (experiments/benchmarks/device_ceilings.py; experiments/benchmarks/step_bytes.py counts
+     the bytes, as for experiments/roofline.py on CPU), beside the step's matmul FLOPs over a measured bf16 matmul rate; the
      larger is the floor, and its sequences over it the roofline's output tok/s.
 --engine=hf_continuous runs Hugging Face transformers' continuous batching (experiments/peer_hf.py's
 hf_continuous) on the same trace and device, with a model of the same shapes and dtype
@@ -75,17 +75,23 @@ def _define_flags():
 FLAGS = flags.FLAGS
 
 
-def served_weight_bytes(runner) -> int:
-    """What one decode step reads of the weights: the layer arrays as served, the LM head (its
-    packed copy where there is one) and the final norm (experiments/roofline.py counts the same)."""
+def random_weights(preset: str, max_model_len: int, dtype: str):
+    """bench_models.random_model's model (init key 0, source random:<preset>), its weights made by
+    one jitted program rather than op by op: eagerly, each matrix's float32 draw and scaled copy
+    are freed after its cast, leaving holes between the weights in XLA's memory pool (gigabytes
+    each for Llama-3.1-8B's stacked MLP), where the KV cache, sized from the free memory that
+    includes them, must then find one contiguous region; jitted, they never leave the program."""
     import jax
-    params = runner.params
-    layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"]))
-    if runner.packed_head is not None:
-        head = runner.packed_head.nbytes
-    else:
-        head = (params["lm_head"] if params.get("lm_head") is not None else params["embed"]).nbytes
-    return int(layers + head + params["final_norm"].nbytes)
+    import jax.numpy as jnp
+
+    import configs
+    from experiments.bench_models import RANDOM_PREFIX
+    from paged_jax.loading import LoadedModel
+    from paged_jax.model.llama import init_params
+    cfg = configs.get_config(preset)
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_model_len))
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.dtype(dtype))
+    return LoadedModel(cfg, jax.block_until_ready(params), None, f"{RANDOM_PREFIX}{preset}", "memory", 0.0)
 
 
 def decode_roofline(cfg, num_seqs: int, mean_context: float, weight_bytes: int, kv_itemsize: int,
@@ -94,7 +100,8 @@ def decode_roofline(cfg, num_seqs: int, mean_context: float, weight_bytes: int, 
     (weights once, every sequence's K/V once per layer) over the bandwidth, beside its matmul
     FLOPs (projections, MLP and LM head of one token per sequence, 2 per multiply-add) over the
     matmul rate; the larger bounds the step, and num_seqs over it the output tok/s."""
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize * num_seqs * mean_context
+    from experiments.benchmarks.step_bytes import kv_read_bytes
+    kv_bytes = kv_read_bytes(cfg, [mean_context] * num_seqs, kv_itemsize)
     memory_ms = (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
     h = cfg.hidden_size
     per_token = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size)
@@ -107,11 +114,12 @@ def decode_roofline(cfg, num_seqs: int, mean_context: float, weight_bytes: int, 
             "roofline_output_tokens_per_s": round(num_seqs / floor_ms * 1e3, 1)}
 
 
-def busy_figures(wall_s: float, traced_wall_s: float, steps: int, busy: dict) -> dict:
+def busy_figures(wall_s: float, traced_wall_s: float | None, steps: int, busy: dict) -> dict:
     """Per-step wall and device-busy times of the window, and the busy fraction: busy over the
     untraced wall time (the headline) and over the traced wall time."""
     out = {"wall_ms_per_step": round(wall_s / steps * 1e3, 4),
-           "traced_wall_ms_per_step": round(traced_wall_s / steps * 1e3, 4), "device": busy}
+           "traced_wall_ms_per_step": None if traced_wall_s is None else round(traced_wall_s / steps * 1e3, 4),
+           "device": busy}
     if busy.get("available"):
         per_step = busy["busy_ms"] / steps
         out.update(device_busy_ms_per_step=round(per_step, 4),
@@ -158,7 +166,11 @@ def decode_window(llm, prompts: list[list[int]], steps: int, log_dir: str) -> di
     start = time.perf_counter()
     run()
     wall = time.perf_counter() - start
-    traced_wall, busy = traced_device_busy(run, log_dir)
+    try:
+        traced_wall, busy = traced_device_busy(run, log_dir)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot run here is a result, recorded
+        run()  # the window's second half, untraced, so that the check below stays the same
+        traced_wall, busy = None, {"available": False, "reason": f"the profiler failed: {type(e).__name__}: {e}"}
     window_log = list(log)[-2 * steps:]
     context_end = statistics.mean(s.num_tokens for s in engine.scheduler.running)
     for i in range(n):
@@ -184,8 +196,8 @@ def run_paged_jax(requests, figures: dict, save) -> None:
     import jax
     import jax.numpy as jnp
 
-    from experiments.bench_models import random_model
     from experiments.benchmarks.device_ceilings import matmul_rate, memory_bandwidth
+    from experiments.benchmarks.step_bytes import served_weight_bytes
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.worker.batch_inputs import all_batch_shapes
@@ -193,7 +205,7 @@ def run_paged_jax(requests, figures: dict, save) -> None:
     device = jax.devices()[0]
     figures["memory_bandwidth"] = memory_bandwidth(device, FLAGS.bandwidth_mib * 2**20)
     figures["matmul_rate"] = matmul_rate(device, FLAGS.matmul_size, "bfloat16")
-    loaded = random_model(FLAGS.model, FLAGS.max_model_len, dtype=FLAGS.dtype)
+    loaded = random_weights(FLAGS.model, FLAGS.max_model_len, FLAGS.dtype)
     start = time.perf_counter()
     llm = LLM(loaded, max_model_len=FLAGS.max_model_len, dtype=FLAGS.dtype, seed=FLAGS.seed, show_progress=False,
               **engine_settings())

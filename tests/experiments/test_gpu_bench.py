@@ -137,3 +137,28 @@ def test_the_dry_run_runs_every_stage_and_writes_nothing_into_the_results(tmp_pa
     assert "no record" not in summary and "unreadable" not in summary
     for name in names + [f"gpu_bench_{tag}_peer_hf", f"attention_backends_{tag}_bench_f32"]:
         assert f"{name}: " in summary
+
+
+def test_the_jitted_random_weights_are_random_models():
+    """Same preset, key and dtype: the same weights as bench_models.random_model's (up to float32
+    rounding where XLA fuses a norm's scale and shift), and the same source."""
+    import jax
+    import numpy as np
+
+    from experiments.bench_models import random_model
+    from experiments.gpu_bench import random_weights
+    jitted, eager = random_weights("tiny_qwen3", 256, "float32"), random_model("tiny_qwen3", 256, "float32")
+    assert jitted.source == eager.source and jitted.config == eager.config
+    for a, b in zip(jax.tree.leaves(jitted.params), jax.tree.leaves(eager.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_busy_figures_per_step_and_fractions():
+    """10 steps in 0.1 s (10 ms each), 0.125 s traced, 50 ms of device time: 5 ms busy per step,
+    0.5 of the untraced step, 0.4 of the traced; no fraction where the trace had no device."""
+    from experiments.gpu_bench import busy_figures
+    out = busy_figures(0.1, 0.125, 10, {"available": True, "busy_ms": 50.0})
+    assert (out["wall_ms_per_step"], out["traced_wall_ms_per_step"], out["device_busy_ms_per_step"]) == (10, 12.5, 5)
+    assert (out["device_busy_fraction"], out["device_busy_fraction_traced"]) == (0.5, 0.4)
+    failed = busy_figures(0.1, None, 10, {"available": False, "reason": "the profiler failed"})
+    assert failed["traced_wall_ms_per_step"] is None and "device_busy_fraction" not in failed
