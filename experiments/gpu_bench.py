@@ -24,8 +24,9 @@ inferred from CPU records. One run of --engine=paged_jax (the default):
   4. the decode roofline of that window's step: the weights as served plus every sequence's
      K/V (each byte read once per step) over the device's measured memory bandwidth
      (experiments/benchmarks/device_ceilings.py; experiments/benchmarks/step_bytes.py counts
-     the bytes, as for experiments/roofline.py on CPU), beside the step's matmul FLOPs over a measured bf16 matmul rate; the
-     larger is the floor, and its sequences over it the roofline's output tok/s.
+     the bytes, as for experiments/roofline.py on CPU), beside the step's matmul FLOPs over
+     a measured bf16 matmul rate; the larger is the floor, and its sequences over it the
+     roofline's output tok/s.
 --engine=hf_continuous runs Hugging Face transformers' continuous batching (experiments/peer_hf.py's
 hf_continuous) on the same trace and device, with a model of the same shapes and dtype
 (transformers' own random initialization), and sets its tok/s against the paged_jax record

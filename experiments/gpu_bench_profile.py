@@ -6,7 +6,8 @@ time), so "is the accelerator idle between steps" can only be answered by the de
 record of what it ran. `jax.profiler.trace` writes an XSpace (`*.xplane.pb`) whose device
 planes (`/device:GPU:0`, ...) hold one line per CUDA stream ("Stream #N(...)"), each event a
 kernel or copy with its start and duration on the device; `jax.profiler.ProfileData` reads
-it. The device is busy where any stream runs something: the union of those intervals, so
+it. The device is busy where any stream runs something (a kernel, or a copy: a step's inputs
+are a few KB, microseconds): the union of those intervals, so
 that concurrent streams are not counted twice. The derived lines ("XLA Modules", "XLA
 Ops", "Steps") are not used: a module's event spans its kernels and the gaps between them.
 Where a device plane has no stream lines (TPU), its "XLA Ops" line is used, and the
@@ -64,8 +65,9 @@ def device_busy(planes) -> dict:
         if intervals:
             per_device.append((union_ns(intervals), plane.name, which, [line.name for line in lines], intervals))
     if not per_device:
-        return {"available": False, "reason": "the device planes hold no events on their stream or XLA Ops lines "
-                                              f"(planes: {[p.name for p in devices]})"}
+        lines = "; ".join(f"{p.name}: {[line.name for line in p.lines]}" for p in devices)
+        return {"available": False,
+                "reason": f"the device planes hold no events on their stream or XLA Ops lines (their lines: {lines})"}
     busy, name, which, names, intervals = min(per_device)
     return {"available": True, "busy_ms": busy / 1e6,
             "span_ms": (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e6,

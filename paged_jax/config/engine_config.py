@@ -49,16 +49,16 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # device KV blocks incl. the null block; None: from the byte budget
-    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: the platform's (CPU 512 MiB)
+    kv_cache_memory_bytes: int | None = None  # KV budget per device; None: CPU 512 MiB, GPU/TPU gpu_memory_utilization
     max_model_len: int | None = None  # prompt + output cap; None: min(model limit, 2048)
     max_num_seqs: int | None = None  # sequences per step; None: the platform's (CPU 64, GPU/TPU 256)
-    max_num_batched_tokens: int | None = None  # tokens per step (prefill chunks + decodes); None: CPU 1024, GPU/TPU 8192
+    max_num_batched_tokens: int | None = None  # tokens per step (prefills + decodes); None: CPU 1024, GPU/TPU 8192
     # the share of a device's memory free at start (weights loaded) the KV cache may take; on GPU/TPU, with
     # neither num_blocks nor kv_cache_memory_bytes given, the cache takes all of it (vLLM's
     # gpu_memory_utilization, there a share of the whole device). The rest is for the step's activations,
     # the head's packed copy and the compiled programs. On CPU the default budget stays the platform's
     # bytes and this only caps what the host's free memory may give the cache (engine/kv_sizing.py)
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # share of free device memory the KV cache may take (GPU/TPU: takes)
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) | "priority" (lower request priority first; vLLM's rule)
