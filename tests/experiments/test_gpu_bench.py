@@ -162,3 +162,28 @@ def test_busy_figures_per_step_and_fractions():
     assert (out["device_busy_fraction"], out["device_busy_fraction_traced"]) == (0.5, 0.4)
     failed = busy_figures(0.1, None, 10, {"available": False, "reason": "the profiler failed"})
     assert failed["traced_wall_ms_per_step"] is None and "device_busy_fraction" not in failed
+
+
+def test_a_gpu_bench_records_rows_name_the_device_and_the_script_that_runs_it():
+    """A record as the smollm2 stage writes it on a GPU: its throughput row and decode-window row,
+    the device in the value, and `gpu_bench.sh` (not gpu_check.sh) in the command cell."""
+    from experiments import results_table
+    window = {"num_seqs": 256, "steps": 32, "mean_context": 180.0, "wall_ms_per_step": 9.0,
+              "device_busy_fraction": 0.8, "step_over_roofline": 3.0,
+              "roofline": {"roofline_ms": 3.0, "bound": "memory", "roofline_output_tokens_per_s": 85333.3}}
+    record = {"name": "gpu_bench_h100_smollm2_135m",
+              "command": "python -m experiments.gpu_bench --output=gpu_bench_h100_smollm2_135m",
+              "flags": {"output": "gpu_bench_h100_smollm2_135m"},
+              "environment": {"platform": "gpu", "device": "NVIDIA H100 80GB HBM3"},
+              "figures": {"engine": "paged_jax", "preset": "smollm2_135m", "dtype": "bfloat16", "workload": "sharegpt",
+                          "num_requests": 512, "mean_prompt_tokens": 160.0, "mean_output_tokens": 330.0,
+                          "model": "random:smollm2_135m", "setup_s": 60.0, "output_tokens_per_s": 12345.6,
+                          "engine_settings": {"max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                                              "num_step_programs": 22, "num_blocks": 1000, "block_size": 16,
+                                              "async_scheduling": True},
+                          "decode_window": window}}
+    rows = results_table.table_rows([("gpu_bench_h100_smollm2_135m.json", record)])
+    assert len(rows) == 2 and all("NVIDIA H100" in value for _, value, _, _ in rows)
+    assert rows[0][1].startswith("12346 ") and "256 sequences / 8192 tokens per step" in rows[0][0]
+    assert rows[1][1].startswith("9; 80%; 3 (memory-bound: 3.0x it, 85333 tok/s at it)")
+    assert all("`bash experiments/gpu_bench.sh` runs it" in cell for _, _, cell, _ in rows)
