@@ -20,7 +20,9 @@ inferred from CPU records. One run of --engine=paged_jax (the default):
      decoding, --window_steps steps timed, then as many again under `jax.profiler.trace`;
      the device's busy time in them is read from the trace (experiments/gpu_bench_profile.py)
      and set against the untraced window's wall time (the profiler's host tracing could only
-     slow the host, which the device waits for);
+     slow the host, which the device waits for); the untraced steps' host phases (schedule,
+     stats, runner host work, core update, outputs: experiments/engine_overhead.py's split)
+     say where the host's time goes;
   4. the decode roofline of that window's step: the weights as served plus every sequence's
      K/V (each byte read once per step) over the device's measured memory bandwidth
      (experiments/benchmarks/device_ceilings.py; experiments/benchmarks/step_bytes.py counts
@@ -139,7 +141,9 @@ def window_prompts(requests, num_seqs: int, room: int, max_model_len: int) -> li
 
 
 def decode_window(llm, prompts: list[list[int]], steps: int, log_dir: str) -> dict:
-    """Serve `prompts` until every one decodes, time `steps` steps, trace `steps` more, abort."""
+    """Serve `prompts` until every one decodes, time `steps` steps (and their host phases), trace
+    `steps` more, abort them all."""
+    from experiments.benchmarks.phase_timer import PhaseTimer, summarize
     from experiments.gpu_bench_profile import traced_device_busy
     from paged_jax.core.sampling_params import SamplingParams
     engine, n = llm.engine, len(prompts)
@@ -160,6 +164,7 @@ def decode_window(llm, prompts: list[list[int]], steps: int, log_dir: str) -> di
                            f"{engine.config.max_num_seqs}, KV blocks {engine.config.num_blocks})")
     running = engine.scheduler.running
     context_start = statistics.mean(s.num_tokens for s in running)
+    timer = PhaseTimer(engine)  # the host's phases of each step from here on (engine_overhead.py's split)
 
     def run():
         for _ in range(steps):
@@ -180,7 +185,10 @@ def decode_window(llm, prompts: list[list[int]], steps: int, log_dir: str) -> di
         engine.step()
     return {"num_seqs": n, "steps": steps, "mean_context": round((context_start + context_end) / 2, 1),
             "all_steps_full_decode": len(window_log) == 2 * steps and all(s == t == n for s, t, *_ in window_log),
-            **busy_figures(wall, traced_wall, steps, busy)}
+            **busy_figures(wall, traced_wall, steps, busy),
+            # medians over the untraced steps: where the host's time goes ("device" is the time it
+            # waits inside device calls, not the device's own time: see device_busy_fraction)
+            "host_phases": summarize(timer.steps[:steps])}
 
 
 def engine_settings() -> dict:

@@ -43,4 +43,11 @@ def gpu_bench(record: dict) -> list:
                      + (f"{busy:.0%}" if busy is not None else "unavailable") + f"; {roof['roofline_ms']:.3g} "
                      f"({roof['bound']}-bound: {window['step_over_roofline']}x it, "
                      f"{roof['roofline_output_tokens_per_s']:.0f} tok/s at it){note}"))
+        phases = (window.get("host_phases") or {}).get("phases_ms")
+        if phases:
+            names = [p for p in ("schedule", "stats", "runner_host", "core_update", "outputs") if p in phases]
+            rows.append(("same decode step, the host's ms per step outside device calls: "
+                         + " / ".join(p.replace("_", " ") for p in names),
+                         " / ".join(f"{phases[p]:.3g}" for p in names)
+                         + f" ({window['host_phases']['host_ms']:.3g} in all){note}"))
     return rows

@@ -126,7 +126,8 @@ def test_the_dry_run_runs_every_stage_and_writes_nothing_into_the_results(tmp_pa
         assert window["all_steps_full_decode"] and window["num_seqs"] == fig["engine_settings"]["max_num_seqs"] == 4
         assert not window["device"]["available"] and "/host:CPU" in window["device"]["reason"]
         assert window["roofline"]["roofline_ms"] > 0 and window["wall_ms_per_step"] > 0
-        assert len(BUILDERS["gpu_bench"](record)) == 2
+        assert len(BUILDERS["gpu_bench"](record)) == 3
+        assert window["host_phases"]["decode_steps"] == 3 and window["host_phases"]["wall_ms"] > 0
     peer = json.loads((tmp_path / f"gpu_bench_{tag}_peer_hf.json").read_text())["figures"]
     assert peer["hf_continuous"]["generated_tokens"] == peer["useful_output_tokens"]
     assert peer["against"]["same_trace"] and peer["against"]["record"] == names[0]
@@ -170,7 +171,9 @@ def test_a_gpu_bench_records_rows_name_the_device_and_the_script_that_runs_it():
     from experiments import results_table
     window = {"num_seqs": 256, "steps": 32, "mean_context": 180.0, "wall_ms_per_step": 9.0,
               "device_busy_fraction": 0.8, "step_over_roofline": 3.0,
-              "roofline": {"roofline_ms": 3.0, "bound": "memory", "roofline_output_tokens_per_s": 85333.3}}
+              "roofline": {"roofline_ms": 3.0, "bound": "memory", "roofline_output_tokens_per_s": 85333.3},
+              "host_phases": {"host_ms": 1.5, "phases_ms": {"schedule": 0.5, "stats": 0.1, "runner_host": 0.4,
+                                                            "device": 7.5, "core_update": 0.3, "outputs": 0.2}}}
     record = {"name": "gpu_bench_h100_smollm2_135m",
               "command": "python -m experiments.gpu_bench --output=gpu_bench_h100_smollm2_135m",
               "flags": {"output": "gpu_bench_h100_smollm2_135m"},
@@ -183,7 +186,9 @@ def test_a_gpu_bench_records_rows_name_the_device_and_the_script_that_runs_it():
                                               "async_scheduling": True},
                           "decode_window": window}}
     rows = results_table.table_rows([("gpu_bench_h100_smollm2_135m.json", record)])
-    assert len(rows) == 2 and all("NVIDIA H100" in value for _, value, _, _ in rows)
+    assert len(rows) == 3 and all("NVIDIA H100" in value for _, value, _, _ in rows)
     assert rows[0][1].startswith("12346 ") and "256 sequences / 8192 tokens per step" in rows[0][0]
     assert rows[1][1].startswith("9; 80%; 3 (memory-bound: 3.0x it, 85333 tok/s at it)")
+    assert rows[2][0].endswith("schedule / stats / runner host / core update / outputs")
+    assert rows[2][1].startswith("0.5 / 0.1 / 0.4 / 0.3 / 0.2 (1.5 in all)")
     assert all("`bash experiments/gpu_bench.sh` runs it" in cell for _, _, cell, _ in rows)
