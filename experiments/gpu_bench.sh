@@ -31,8 +31,10 @@ PY="${PYTHON:-python3}"
 LOGS="${OUT:-/tmp/gpu_bench_$TAG}"
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-SMOLLM2_S="${SMOLLM2_S:-110}" QWEN3_S="${QWEN3_S:-90}" LLAMA8B_S="${LLAMA8B_S:-130}" PEER_S="${PEER_S:-80}"
-F32_S="${F32_S:-70}"
+# sized from the H200's records (attention_backends_h200*: about 1.5 s to compile a bf16 step program, a
+# minute and a half for f32's two engines) and guesses where no GPU has run (the 8B model, transformers)
+SMOLLM2_S="${SMOLLM2_S:-100}" QWEN3_S="${QWEN3_S:-80}" LLAMA8B_S="${LLAMA8B_S:-120}" PEER_S="${PEER_S:-80}"
+F32_S="${F32_S:-100}"
 STAGES=" ${STAGES:-smollm2 qwen3 llama8b peer f32} "
 run_stage() { [[ "${STAGES//,/ }" == *" $1 "* ]]; }
 declare -A PRESET=([smollm2]=smollm2_135m [qwen3]=qwen3_0_6b [llama8b]=llama3_1_8b)
