@@ -20,6 +20,8 @@ def gpu_bench(record: dict) -> list:
                   "output tok/s; paged_jax / transformers")
         if "error" in hf:
             return [(figure, f"failed: {hf['error'][:120]}{note}")]
+        if "output_tokens_per_s" not in hf:  # the stage stopped before transformers finished
+            return [(figure, f"not measured (the run stopped){note}")]
         against = fig.get("against") or {}
         ratio = (f"{against['throughput_ratio']}x" + ("" if against.get("same_trace") else " (a different trace)")
                  if "throughput_ratio" in against else "no paged_jax record to compare")
