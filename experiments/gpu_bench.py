@@ -207,6 +207,7 @@ def run_paged_jax(requests, figures: dict, save) -> None:
 
     from experiments.benchmarks.device_ceilings import matmul_rate, memory_bandwidth
     from experiments.benchmarks.step_bytes import served_weight_bytes
+    from paged_jax.worker.kv_cache import bytes_per_block
     from paged_jax.core.sampling_params import SamplingParams
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.worker.batch_inputs import all_batch_shapes
@@ -223,6 +224,8 @@ def run_paged_jax(requests, figures: dict, save) -> None:
         "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_step_programs": len(all_batch_shapes(config.seq_buckets, config.token_buckets)),
         "num_blocks": config.num_blocks, "block_size": config.block_size,
+        "kv_cache_gib": round(config.num_blocks * bytes_per_block(loaded.config, config.block_size,
+                                                                  config.kv_cache_dtype) / 2**30, 2),
         "gpu_memory_utilization": config.gpu_memory_utilization, "async_scheduling": llm.engine.core.async_scheduling,
         "attention_backend": config.attention_backend, "kv_cache_dtype": config.kv_cache_dtype,
         "layer_loop": config.layer_loop})
@@ -238,9 +241,12 @@ def run_paged_jax(requests, figures: dict, save) -> None:
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         rates.append(round(generated / walls[-1], 1))
         print(f"{FLAGS.model}: {rates[-1]} output tok/s ({walls[-1]:.2f} s, {generated} tokens)", flush=True)
+    stats = device.memory_stats() or {}  # XLA's allocator: how much of its limit the cache and the steps took
     figures.update(output_tokens_per_s=statistics.median(rates), output_tokens_per_s_per_round=rates,
                    wall_s_per_round=[round(w, 2) for w in walls], generated_tokens=generated,
-                   num_compilations_after_warm_up=llm.stats()["num_compilations_after_warm_up"])
+                   num_compilations_after_warm_up=llm.stats()["num_compilations_after_warm_up"],
+                   device_memory_gib={k: round(stats[k] / 2**30, 2) for k in
+                                      ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats})
     save()
     if FLAGS.window_steps:
         n = min(FLAGS.window_seqs or config.max_num_seqs, config.max_num_seqs)
