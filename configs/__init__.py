@@ -5,8 +5,8 @@ Presets hold numbers only, no logic. `get_config(name)` looks one up by module n
 
 import importlib
 
-PRESETS = ("smollm2_135m", "tiny_llama", "tiny_llama_tp4", "tiny_llama_untied", "tiny_mistral", "tiny_qwen2",
-           "tiny_qwen3")
+PRESETS = ("smollm2_135m", "qwen3_0_6b", "llama3_1_8b", "tiny_llama", "tiny_llama_tp4", "tiny_llama_untied",
+           "tiny_mistral", "tiny_qwen2", "tiny_qwen3")
 
 
 def get_config(name: str):

@@ -20,7 +20,9 @@ model loading and our engine's warm-up compilation are timed apart and not inclu
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import sys
 import time
 
 # torch's OpenMP threads spin at every barrier by default; on 2 shared cores (another job
@@ -31,15 +33,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from absl import app, flags
 from tqdm.auto import tqdm
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Registered model name (a GGUF both sides load).")
-_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "experiments/benchmarks/workloads.py trace.")
-_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests in the trace (all arrive at t=0).")
-_SCALE = flags.DEFINE_float("scale", 0.25, "Length scale of the trace (CPU-sized runs).")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Static batch size of the HF `generate` baseline.")
-_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Prompt + output cap (trace and engine).")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Our engine's sequences per step.")
-_MODES = flags.DEFINE_list("modes", ["static", "continuous", "paged_jax"], "Which of static, continuous, paged_jax.")
-_SEED = flags.DEFINE_integer("seed", 0, "Trace seed.")
+
+
+# flags are defined only when run (see the end): importing this module (experiments/gpu_bench.py
+# reuses hf_continuous) defines none, so it cannot clash with another experiment's flags
+def _define_flags():
+    flags.DEFINE_string("model", "smollm2-135m", "Registered model name (a GGUF both sides load).")
+    flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "experiments/benchmarks/workloads.py trace.")
+    flags.DEFINE_integer("num_requests", 32, "Requests in the trace (all arrive at t=0).")
+    flags.DEFINE_float("scale", 0.25, "Length scale of the trace (CPU-sized runs).")
+    flags.DEFINE_integer("batch_size", 8, "Static batch size of the HF `generate` baseline.")
+    flags.DEFINE_integer("max_model_len", 1024, "Prompt + output cap (trace and engine).")
+    flags.DEFINE_integer("max_num_seqs", 32, "Our engine's sequences per step.")
+    flags.DEFINE_list("modes", ["static", "continuous", "paged_jax"], "Which of static, continuous, paged_jax.")
+    flags.DEFINE_integer("seed", 0, "Trace seed.")
+
+
+FLAGS = flags.FLAGS
 
 PAD = 0  # any id: padded positions are masked out
 
@@ -106,22 +116,33 @@ def hf_static(model, requests, batch_size: int, progress: bool = True):
     return outputs, figures
 
 
-def hf_continuous(model, requests, progress: bool = True):
+def hf_continuous(model, requests, progress: bool = True, warmup: bool = False, num_blocks: int | None = None):
     """(outputs, figures) from transformers' continuous batching manager, each request with
     its own max_new_tokens (generate_batch takes one for all); raises if any request fails.
-    Like our engine's warm-up, the manager's set-up (allocating its paged cache, ~10 s here)
-    is not generation: throughput is over the requests' own spans (first scheduled to last
-    finished, perf_counter stamps of its GenerationOutput.lifespan), wall_with_setup_s apart."""
+    Like our engine's warm-up, the manager's set-up (allocating its paged cache, ~10 s here;
+    with `warmup`, capturing its CUDA graphs on a GPU) is not generation: throughput is over
+    the requests' own spans (first scheduled to last finished, perf_counter stamps of its
+    GenerationOutput.lifespan), wall_with_setup_s apart. The workload hints and the warm-up
+    switch are passed where this transformers version takes them (the lent GPU machines'
+    can be older than this host's), as is `num_blocks` (its cache's size; None: what it infers
+    from free memory, which on a CPU host is a minute of set-up, too long for a dry run)."""
     from transformers import GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
                               eos_token_id=-1, pad_token_id=PAD)  # -1: EOS disabled in its manager
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
-                          max_generated_length=max(r.max_tokens for r in requests), num_requests=len(requests))
+    accepted = inspect.signature(model.continuous_batching_context_manager).parameters
+    extra = {"warmup": warmup} if "warmup" in accepted else {}
+    if "workload_hints" in accepted:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+        extra["workload_hints"] = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+                                                max_generated_length=max(r.max_tokens for r in requests),
+                                                num_requests=len(requests))
+    if num_blocks is not None and "continuous_batching_config" in accepted:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        extra["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=num_blocks)
     results = {}
     start = time.perf_counter()
     with fresh_generation_config(model), model.continuous_batching_context_manager(
-            generation_config=config, block=True, timeout=30, warmup=False, workload_hints=hints) as manager:
+            generation_config=config, block=True, timeout=30, **extra) as manager:
         for i, r in enumerate(requests):
             manager.add_request(list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.max_tokens)
         with tqdm(total=len(requests), desc="hf continuous", disable=not progress) as bar:
@@ -198,27 +219,27 @@ def main(argv):
     from paged_jax.worker.compilation_cache import enable_compilation_cache
     from paged_jax.loading import load_model
     enable_compilation_cache()
-    unknown = set(_MODES.value) - {"static", "continuous", "paged_jax"}
+    unknown = set(FLAGS.modes) - {"static", "continuous", "paged_jax"}
     if unknown:
         raise app.UsageError(f"unknown modes {sorted(unknown)}")
-    loaded = load_model(_MODEL.value)
-    requests = make_trace(_WORKLOAD.value, _NUM_REQUESTS.value, seed=_SEED.value, scale=_SCALE.value,
-                          max_model_len=_MAX_MODEL_LEN.value, vocab_size=loaded.config.vocab_size)
+    loaded = load_model(FLAGS.model)
+    requests = make_trace(FLAGS.workload, FLAGS.num_requests, seed=FLAGS.seed, scale=FLAGS.scale,
+                          max_model_len=FLAGS.max_model_len, vocab_size=loaded.config.vocab_size)
     with torch_cpu_settings():
         start = time.perf_counter()
-        hf_model = load_hf_model(_MODEL.value)
+        hf_model = load_hf_model(FLAGS.model)
         hf_load = time.perf_counter() - start
     figures = {"model": loaded.source, "hf_load_s": round(hf_load, 1),
                **trace_means(requests, digits=1)}
     outputs = {}
-    for mode in _MODES.value:
+    for mode in FLAGS.modes:
         try:
             if mode == "paged_jax":
-                outputs[mode], figures[mode] = paged_jax_run(loaded, requests, _MAX_MODEL_LEN.value,
-                                                             _MAX_NUM_SEQS.value)
+                outputs[mode], figures[mode] = paged_jax_run(loaded, requests, FLAGS.max_model_len,
+                                                             FLAGS.max_num_seqs)
             else:
                 with torch_cpu_settings():
-                    outputs[mode], figures[mode] = (hf_static(hf_model, requests, _BATCH_SIZE.value)
+                    outputs[mode], figures[mode] = (hf_static(hf_model, requests, FLAGS.batch_size)
                                                     if mode == "static" else hf_continuous(hf_model, requests))
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here is a result, recorded
             figures[mode] = {"error": f"{type(e).__name__}: {e}"}
@@ -231,12 +252,12 @@ def main(argv):
                     figures[f"paged_jax_vs_{mode}"] = {
                         "throughput_ratio": round(ours / figures[mode]["output_tokens_per_s"], 2),
                         "greedy_check": compare_greedy(hf_model, requests, outputs[mode], outputs["paged_jax"])}
-    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(__name__)}
-    print("wrote", write_result("peer_hf", flags=flag_values, figures=figures, seed=_SEED.value))
-    print(f"\n{_WORKLOAD.value}: {len(requests)} requests, mean prompt {figures['mean_prompt_tokens']}, "
+    flag_values = {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+    print("wrote", write_result("peer_hf", flags=flag_values, figures=figures, seed=FLAGS.seed))
+    print(f"\n{FLAGS.workload}: {len(requests)} requests, mean prompt {figures['mean_prompt_tokens']}, "
           f"mean output {figures['mean_output_tokens']} tokens")
     print(f"{'mode':<11}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'generated':>11}{'overrun':>9}{'padding':>9}")
-    for mode in _MODES.value:
+    for mode in FLAGS.modes:
         f = figures[mode]
         if "error" in f:
             print(f"{mode:<11} failed: {f['error'][:100]}")
@@ -252,5 +273,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     flags.FLAGS.set_default("verbosity", -1)
     app.run(main)

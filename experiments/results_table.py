@@ -87,7 +87,9 @@ def table_rows(records: list[tuple[str, dict]]) -> list[tuple[str, str, str, str
         if command.module in results_rows.NEEDS_ROUTER_VENV:
             cell += f" (after `{router_setup(record)}`)"
         if (record.get("environment") or {}).get("platform") in ("gpu", "cuda", "rocm"):
-            cell += " (on a CUDA GPU with JAX's CUDA plugin; `bash experiments/gpu_check.sh` runs it)"
+            script = "gpu_bench.sh" if command.module == "gpu_bench" or filename.endswith("_bench_f32.json") else (
+                "gpu_check.sh")  # the two GPU scripts' records
+            cell += f" (on a CUDA GPU with JAX's CUDA plugin; `bash experiments/{script}` runs it)"
         for figure, value in builder(record):
             rows.append((figure, value, cell, filename))
     return rows

@@ -58,6 +58,7 @@ from absl import app, flags
 
 from experiments.benchmarks.cpu_ceilings import MatmulCeiling, ReadBandwidth
 from experiments.benchmarks.step_batches import build_batch, median_ms, cdiv as _cdiv
+from experiments.benchmarks.step_bytes import kv_read_bytes, served_weight_bytes
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model (any load_model source) or a tiny_* preset.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "EngineConfig.dtype values to measure.")
@@ -100,25 +101,6 @@ def serial_bound_ms(flop: float, attention_flop: float, kv_bytes: float, ceiling
     can run (see the module docstring)."""
     attention_ms = max(attention_flop / ceiling_gflops, kv_bytes / bandwidth_gbs) / 1e6
     return flop / ceiling_gflops / 1e6 + attention_ms
-
-
-def kv_read_bytes(cfg, contexts, itemsize: int) -> int:
-    """K and V of every sequence's context (each token read once per layer)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * sum(contexts)
-
-
-def served_weight_bytes(runner) -> int:
-    """What one step reads of the weights: every layer array as served (packed, transposed or
-    as stored) and the LM head (the packed copy where there is one); the embedding lookup's
-    few rows are left out."""
-    import jax
-    params = runner.params
-    layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"]))
-    if runner.packed_head is not None:
-        head = runner.packed_head.nbytes
-    else:
-        head = (params["lm_head"] if params.get("lm_head") is not None else params["embed"]).nbytes
-    return int(layers + head + params["final_norm"].nbytes)
 
 
 def measure_dtype(model, dtype: str, bandwidth: "ReadBandwidth", rng) -> tuple[list, list]:

@@ -345,6 +345,7 @@ from experiments.reporting import fleet_rows  # noqa: E402  (the fleet simulatio
 from experiments.reporting import disagg_rows  # noqa: E402  (disaggregated prefill / decode)
 from experiments.reporting import simulator_rows  # noqa: E402  (the simulator's profile)
 from experiments.reporting import kernel_rows  # noqa: E402  (the kernels', CPU or GPU)
+from experiments.reporting import gpu_bench_rows  # noqa: E402  (throughput on an accelerator)
 from experiments.reporting.step_rows import (engine_overhead, helper_threads, host_time_vs_output_len,  # noqa: E402
                                              step_profile, step_shape_costs, step_time_vs_cache_size)
 
@@ -366,6 +367,7 @@ BUILDERS = {
     "fuzz_server": hardening_rows.fuzz_server, "dashboard_cost": dashboard_rows.dashboard_cost,
     "simulate_fleet": fleet_rows.simulate_fleet, "fleet_prefix_routing": fleet_rows.fleet_prefix_routing, "disagg_prefill_decode": disagg_rows.disagg_prefill_decode,
     "fleet_pd": disagg_rows.fleet_pd, "profile_simulator": simulator_rows.profile_simulator,
+    "gpu_bench": gpu_bench_rows.gpu_bench,
 }
 # modules whose command needs the test extra (torch / transformers / httpx)
 NEEDS_TEST_EXTRA = {"load_times", "peer_hf", "benchmark_serving", "lm_eval_run", "soak", "fuzz_server",

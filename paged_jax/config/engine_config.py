@@ -30,7 +30,10 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
     `python -m experiments.step_shape_costs`), so
     65 sequences in a 128 bucket nearly double the step. Midpoints keep the padding of
     big batches under half (65 -> 96) and cost only a few more shapes to compile (none
-    below 32).
+    below 32). At the GPU/TPU defaults (256 sequences, 8192 tokens per step) that is 12
+    row and 19 token buckets, and warm-up compiles 22 step programs (a decode program per
+    row bucket, a mixed one per token bucket above 256: worker/batch_inputs.all_batch_shapes),
+    8 more than powers of two alone; at the CPU's (64 / 1024), 16.
     """
     out, n = [], 1
     while n < hi:
@@ -46,10 +49,16 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # device KV blocks incl. the null block; None: from the byte budget
-    kv_cache_memory_bytes: int | None = None  # device KV budget; None with num_blocks None: the platform's (512 MiB)
+    kv_cache_memory_bytes: int | None = None  # KV budget per device; None: CPU 512 MiB, GPU/TPU gpu_memory_utilization
     max_model_len: int | None = None  # prompt + output cap; None: min(model limit, 2048)
-    max_num_seqs: int | None = None  # sequences per step; None: the platform's (CPU 64, GPU/TPU 32)
-    max_num_batched_tokens: int | None = None  # tokens per step (prefill chunks + decodes); None: CPU 1024, else 256
+    max_num_seqs: int | None = None  # sequences per step; None: the platform's (CPU 64, GPU/TPU 256)
+    max_num_batched_tokens: int | None = None  # tokens per step (prefills + decodes); None: CPU 1024, GPU/TPU 8192
+    # the share of a device's memory free at start (weights loaded) the KV cache may take; on GPU/TPU, with
+    # neither num_blocks nor kv_cache_memory_bytes given, the cache takes all of it (vLLM's
+    # gpu_memory_utilization, there a share of the whole device). The rest is for the step's activations,
+    # the head's packed copy and the compiled programs. On CPU the default budget stays the platform's
+    # bytes and this only caps what the host's free memory may give the cache (engine/kv_sizing.py)
+    gpu_memory_utilization: float = 0.9  # share of free device memory the KV cache may take (GPU/TPU: takes)
     enable_chunked_prefill: bool = True  # False: a prompt's prefill is never split across steps
     preemption_mode: str = "recompute"  # or "swap" (to host memory)
     scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) | "priority" (lower request priority first; vLLM's rule)
@@ -95,6 +104,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_blocks}")
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the device's free memory, "
+                             f"got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -12,11 +12,18 @@ allocation that succeeds (Linux overcommits) and then swaps or gets the process 
 by the OOM killer once the cache is touched. So `resolve_config` refuses it before
 anything is allocated, naming the largest budget that would fit; likewise swap space
 (host memory for swapped-out blocks) that the host cannot hold.
+
+On GPU and TPU, a budget left open is the largest that passes that check: the share
+EngineConfig.gpu_memory_utilization of the device's free memory, read once here from
+`memory_stats()` (XLA allocator's "bytes_limit" - "bytes_in_use": the weights are on the
+device by now), so the default and the check cannot disagree. Where a device keeps no
+statistics, the platform's fixed byte budget is used and a warning says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -25,10 +32,13 @@ from paged_jax.config.model_config import ModelConfig
 from paged_jax.platform import Platform, current_platform
 from paged_jax.worker.kv_cache import bytes_per_block
 
-# The share of the memory free at start the KV cache may take: the rest is for the
-# step's activations and logits, the compiled programs and, on CPU, everything else the
-# host runs. The check is for budgets that cannot work, not a tuning of ones that can.
+# The share of the host's free memory swap space (and, on CPU, the KV cache with it) may
+# take: the rest is for everything else the host runs. The KV cache's own share is
+# EngineConfig.gpu_memory_utilization (default the same 0.9). The checks are for budgets
+# that cannot work, not a tuning of ones that can.
 KV_MEMORY_FRACTION = 0.9
+
+_log = logging.getLogger(__name__)
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_memory: bool = True,
@@ -41,6 +51,8 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
     memory is a ValueError naming the largest that fits."""
     platform = platform or current_platform()
     defaults = platform.defaults
+    devices = platform.local_devices(config.tensor_parallel_size)
+    free = _FreeMemory(devices)  # read once, at most: for the default budget and for the check
     model_limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
@@ -51,7 +63,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
         kv_dtype = platform.kv_cache_dtype(config.dtype, backend)
     num_blocks = config.num_blocks
     if num_blocks is None:
-        budget = config.kv_cache_memory_bytes or defaults.kv_cache_memory_bytes
+        budget = config.kv_cache_memory_bytes or default_kv_budget(config, defaults, free)
         num_blocks = budget // bytes_per_block(model_config, config.block_size, kv_dtype,
                                                config.tensor_parallel_size)  # the budget is per device
     # platform defaults for what was left open, never above what was set (a token budget or the
@@ -68,9 +80,37 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig, *, check_mem
                                    async_scheduling=(platform.async_scheduling if config.async_scheduling is None
                                                      else config.async_scheduling))
     if check_memory:
-        check_fits_memory(resolved, config, model_config)
-        check_swap_fits_host(resolved, model_config)
+        check_fits_memory(resolved, config, model_config, devices, free.read(), defaults)
+        check_swap_fits_host(resolved, model_config, devices)
     return resolved
+
+
+class _FreeMemory:
+    """`available_memory(devices)`, read on first use and kept: one figure for one start."""
+
+    def __init__(self, devices):
+        self.devices, self._read, self._value = devices, False, None
+
+    def read(self) -> tuple[int, str] | None:
+        if not self._read:
+            self._value, self._read = available_memory(self.devices), True
+        return self._value
+
+
+def default_kv_budget(config: EngineConfig, defaults, free: _FreeMemory) -> int:
+    """The KV budget (bytes per device) when neither num_blocks nor kv_cache_memory_bytes is
+    given: on a platform whose defaults size it from free memory (GPU, TPU),
+    gpu_memory_utilization of the least free device's free memory; elsewhere, or where the
+    device reports no memory statistics (then with a warning), the platform's fixed budget."""
+    if not defaults.kv_from_free_memory:
+        return defaults.kv_cache_memory_bytes
+    reading = free.read()
+    if reading is None:
+        _log.warning("%s reports no memory statistics (memory_stats() has no bytes_limit): the KV cache gets "
+                     "the fixed default of %s; set kv_cache_memory_bytes or num_blocks to size it",
+                     free.devices[0] if free.devices else "this device", _gib(defaults.kv_cache_memory_bytes))
+        return defaults.kv_cache_memory_bytes
+    return int(reading[0] * config.gpu_memory_utilization)
 
 
 def host_available() -> tuple[int, str] | None:
@@ -105,19 +145,23 @@ def available_memory(devices) -> tuple[int, str] | None:
     return bytes_free, f"{device} (its allocator's bytes_limit - bytes_in_use)"
 
 
-def check_fits_memory(resolved: EngineConfig, asked: EngineConfig, model_config: ModelConfig) -> None:
-    """Refuse a KV cache that exceeds KV_MEMORY_FRACTION of the free memory: per device
+def check_fits_memory(resolved: EngineConfig, asked: EngineConfig, model_config: ModelConfig, devices=None,
+                      free: tuple[int, str] | None = None, defaults=None) -> None:
+    """Refuse a KV cache that exceeds gpu_memory_utilization of the free memory `free`
+    (default: read now from `devices`, default JAX's first tensor_parallel_size): per device
     on accelerators (the budget is per device), all devices' together on CPU."""
     tp = resolved.tensor_parallel_size
-    devices = jax.local_devices()[:tp]
-    free = available_memory(devices)
+    if devices is None:
+        devices = jax.local_devices()[:tp]
+        free = available_memory(devices)
     if free is None:
         return
     bytes_free, where = free
+    fraction = resolved.gpu_memory_utilization
     block_bytes = bytes_per_block(model_config, resolved.block_size, resolved.kv_cache_dtype, tp)
     shared = len(devices) if devices[0].platform == "cpu" else 1  # CPU "devices" share the host's memory
     needed = resolved.num_blocks * block_bytes * shared
-    fits_blocks = int(bytes_free * KV_MEMORY_FRACTION) // (block_bytes * shared)
+    fits_blocks = int(bytes_free * fraction) // (block_bytes * shared)
     if resolved.num_blocks <= fits_blocks:
         return
     if asked.num_blocks is not None:
@@ -125,18 +169,19 @@ def check_fits_memory(resolved: EngineConfig, asked: EngineConfig, model_config:
     elif asked.kv_cache_memory_bytes is not None:
         source = f"kv_cache_memory_bytes={asked.kv_cache_memory_bytes}"
     else:
-        source = f"the default budget of {_gib(DEFAULT_KV_CACHE_MEMORY_BYTES)}"
+        default = defaults.kv_cache_memory_bytes if defaults is not None else DEFAULT_KV_CACHE_MEMORY_BYTES
+        source = f"the default budget of {_gib(default)}"
     fix = (f"the largest that fits is kv_cache_memory_bytes={fits_blocks * block_bytes} (num_blocks={fits_blocks})"
            if fits_blocks >= 2 else "not even the smallest cache (2 blocks) fits: free memory first")
     raise ValueError(
         f"the KV cache does not fit in memory: {source} is {resolved.num_blocks} blocks of {resolved.block_size} "
         f"tokens at {block_bytes} bytes each ({resolved.kv_cache_dtype}) = {_gib(needed)}"
         f"{f' for {shared} devices' if shared > 1 else ' per device'}, but "
-        f"{where} has {_gib(bytes_free)} free, of which the cache may take {KV_MEMORY_FRACTION:.0%} (the rest is "
-        f"for activations and compiled programs); {fix}")
+        f"{where} has {_gib(bytes_free)} free, of which the cache may take {fraction:.0%} "
+        f"(gpu_memory_utilization; the rest is for activations and compiled programs); {fix}")
 
 
-def check_swap_fits_host(resolved: EngineConfig, model_config: ModelConfig) -> None:
+def check_swap_fits_host(resolved: EngineConfig, model_config: ModelConfig, devices=None) -> None:
     """Refuse swap space (preemption_mode="swap": whole blocks in host memory, numpy arrays
     that Linux hands out lazily and that fail only once swapped blocks touch them) larger
     than KV_MEMORY_FRACTION of the host's free memory; on CPU less the device KV cache,
@@ -150,7 +195,7 @@ def check_swap_fits_host(resolved: EngineConfig, model_config: ModelConfig) -> N
         return
     bytes_free, where = free
     tp = resolved.tensor_parallel_size
-    devices = jax.local_devices()[:tp]
+    devices = jax.local_devices()[:tp] if devices is None else devices
     kv = 0
     if devices[0].platform == "cpu":
         kv = resolved.num_blocks * bytes_per_block(model_config, resolved.block_size, resolved.kv_cache_dtype,

@@ -30,6 +30,11 @@ class EngineDefaults:
     max_num_batched_tokens: int  # tokens per step
     kv_cache_memory_bytes: int  # KV budget when neither num_blocks nor kv_cache_memory_bytes is given
     layer_loop: str  # "unroll" | "scan" (LlamaDecoder's unroll_layers says why it matters)
+    # True: that budget is instead EngineConfig.gpu_memory_utilization of the device's free memory once the
+    # weights are loaded (vLLM's rule: an accelerator serves best with the largest cache it can hold, and its
+    # memory holds nothing else), with kv_cache_memory_bytes the fallback where the device keeps no memory
+    # statistics. False (CPU): the fixed budget, since host memory is shared with everything else the host runs
+    kv_from_free_memory: bool = False
 
     def __post_init__(self):
         if self.layer_loop not in ("unroll", "scan"):
@@ -38,6 +43,15 @@ class EngineDefaults:
             raise ValueError(f"engine defaults must be positive, got {self}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must cover max_num_seqs (a token per running sequence)")
+
+
+# GPU and TPU (vLLM's defaults there): a step of 256 sequences and 8192 tokens keeps a device busy where a
+# CPU-sized step (32 / 256) left it waiting on the host, and the KV cache takes the free device memory. At
+# these sizes the default buckets are 12 sequence counts and 19 token counts, and warm-up compiles 22 step
+# programs (engine_config.default_buckets, worker/batch_inputs.all_batch_shapes), against 16 at the CPU's
+ACCELERATOR_DEFAULTS = EngineDefaults(max_num_seqs=256, max_num_batched_tokens=8192,
+                                      kv_cache_memory_bytes=DEFAULT_KV_CACHE_MEMORY_BYTES, layer_loop="scan",
+                                      kv_from_free_memory=True)
 
 
 class Platform:
@@ -61,6 +75,12 @@ class Platform:
     # async scheduling (EngineConfig.async_scheduling's default): the host schedules and prepares
     # step N+1 and reads step N's tokens while N+1 runs, so the device does not wait on the host
     async_scheduling: bool = True
+
+    def local_devices(self, count: int) -> list:
+        """The first `count` of this process's devices: the ones the KV cache is sized for and
+        checked against (their `memory_stats()`, engine/kv_sizing.py)."""
+        import jax
+        return jax.local_devices()[:count]
 
     def available_backends(self) -> tuple[str, ...]:
         """The attention backends that run here."""
