@@ -31,9 +31,11 @@ def default_buckets(lo: int, hi: int) -> tuple[int, ...]:
     65 sequences in a 128 bucket nearly double the step. Midpoints keep the padding of
     big batches under half (65 -> 96) and cost only a few more shapes to compile (none
     below 32). At the GPU/TPU defaults (256 sequences, 8192 tokens per step) that is 12
-    row and 19 token buckets, and warm-up compiles 22 step programs (a decode program per
-    row bucket, a mixed one per token bucket above 256: worker/batch_inputs.all_batch_shapes),
-    8 more than powers of two alone; at the CPU's (64 / 1024), 16.
+    row and 19 token buckets and 22 step shapes (a decode shape per row bucket, a mixed one
+    per token bucket above 256: worker/batch_inputs.all_batch_shapes), 8 more than powers of
+    two alone; at the CPU's (64 / 1024), 16. On a GPU warm-up compiles 46 step programs for
+    them (the 256-row shape also serves mixed steps, and the fused head has a greedy and a
+    sampling variant: ModelRunner.step_kinds); on the CPU, 16 steps and their heads.
     """
     out, n = [], 1
     while n < hi:

@@ -10,7 +10,7 @@ import pytest
 from paged_jax.config.engine_config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from paged_jax.engine import kv_sizing
 from paged_jax.platform import platform_named
-from paged_jax.worker.batch_inputs import all_batch_shapes
+from paged_jax.worker.batch_inputs import all_batch_shapes, batch_shape_kinds
 from paged_jax.worker.kv_cache import bytes_per_block
 
 GIB = 2**30
@@ -68,10 +68,12 @@ def test_accelerators_take_256_sequences_and_8192_tokens_the_cpu_64_and_1024(tin
         64, 1024, 512 * 2**20, False)
 
 
-def test_warm_up_compiles_22_programs_at_the_accelerator_defaults(tiny_llama):
+def test_warm_up_compiles_46_programs_at_the_accelerator_defaults(tiny_llama):
     """Powers of two with 1.5x midpoints from 32: 1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256 rows
-    (12 decode programs, each at its own token count) and, for mixed steps at 256 rows, the token
-    buckets above 256: 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192 (10)."""
+    (12 decode shapes, each at its own token count) and, for mixed steps at 256 rows, the token
+    buckets above 256: 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192 (10). The GPU's
+    kernels split decode steps, so the 256-row decode shape also gets a mixed program (23), and
+    the fused head has a greedy and a sampling variant of each: 46 step programs."""
     gpu = _gpu({"bytes_limit": 3 * GIB, "bytes_in_use": GIB})
     resolved = kv_sizing.resolve_config(EngineConfig(), tiny_llama.config, platform=gpu)
     assert resolved.seq_buckets == (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -79,6 +81,8 @@ def test_warm_up_compiles_22_programs_at_the_accelerator_defaults(tiny_llama):
     assert len(shapes) == 12 + 10
     assert [t for s, t in shapes if s == 256 and t > 256] == [384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                                                               8192]
+    kinds = batch_shape_kinds(resolved.seq_buckets, resolved.token_buckets)
+    assert set(kinds) == set(shapes) and 2 * sum(map(len, kinds.values())) == 46
 
 
 def test_an_explicit_budget_or_block_count_wins(tiny_llama):
