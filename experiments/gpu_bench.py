@@ -191,6 +191,12 @@ def decode_window(llm, prompts: list[list[int]], steps: int, log_dir: str) -> di
             "host_phases": summarize(timer.steps[:steps])}
 
 
+def step_programs(runner) -> int:
+    """The step programs warm-up compiled: a program per bucket shape and step kind
+    (ModelRunner.step_kinds), times the fused head's two variants (greedy, sampling)."""
+    return sum(map(len, runner.step_kinds().values())) * (2 if runner.fused_head else 1)
+
+
 def engine_settings() -> dict:
     """EngineConfig fields the flags set (0 / empty: left to the platform)."""
     out = {name: getattr(FLAGS, name) for name in ("max_num_seqs", "max_num_batched_tokens") if getattr(FLAGS, name)}
@@ -222,7 +228,8 @@ def run_paged_jax(requests, figures: dict, save) -> None:
     config = llm.engine.config
     figures.update(model=loaded.source, setup_s=round(time.perf_counter() - start, 1), engine_settings={
         "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-        "num_step_programs": len(all_batch_shapes(config.seq_buckets, config.token_buckets)),
+        "num_step_shapes": len(all_batch_shapes(config.seq_buckets, config.token_buckets)),
+        "num_step_programs": step_programs(llm.engine.runner),
         "num_blocks": config.num_blocks, "block_size": config.block_size,
         "kv_cache_gib": round(config.num_blocks * bytes_per_block(loaded.config, config.block_size,
                                                                   config.kv_cache_dtype) / 2**30, 2),
