@@ -20,6 +20,7 @@ import numpy as np
 
 from paged_jax.distributed import tensor_parallel as tp
 from paged_jax.worker.batch_inputs import BatchInputs
+from paged_jax.worker.executable_cache import BucketPrograms
 from paged_jax.worker.step_head import StepResult, greedy_head, greedy_head_masked, sampled_head, sampled_head_masked
 
 
@@ -32,10 +33,13 @@ class SplitHeads:
         self.k = k
         self._on_trace = on_trace
         shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh), "out_shardings": tp.replicated(mesh)}
-        self._greedy = jax.jit(self._greedy_impl, **shardings)
-        self._sampled = jax.jit(self._sampled_impl, **shardings)
-        self._greedy_masked = jax.jit(self._greedy_masked_impl, **shardings)
-        self._sampled_masked = jax.jit(self._sampled_masked_impl, **shardings)
+        # per row bucket, the Compiled program the runner's warm-up loaded or compiled (`BucketPrograms`)
+        self._greedy = BucketPrograms("head_greedy", jax.jit(self._greedy_impl, **shardings), _rows)
+        self._sampled = BucketPrograms("head_sampled", jax.jit(self._sampled_impl, **shardings), _rows)
+        self._greedy_masked = BucketPrograms("head_greedy_masked", jax.jit(self._greedy_masked_impl, **shardings),
+                                             _rows)
+        self._sampled_masked = BucketPrograms("head_sampled_masked",
+                                              jax.jit(self._sampled_masked_impl, **shardings), _rows)
 
     def _greedy_impl(self, logits, want_top):
         self._on_trace()
@@ -84,14 +88,24 @@ class SplitHeads:
         k = self.k
         return StepResult(tokens, best, np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k), np.float32))
 
-    def warm_up(self, logits, batch: BatchInputs, structured_outputs: bool) -> None:
+    def warm_up(self, logits, batch: BatchInputs, structured_outputs: bool,
+                compile_program: Callable[..., None] | None = None) -> None:
         """Compile, without running, every head for the row bucket of `batch` (all padding;
         `logits` may be a ShapeDtypeStruct): greedy and sampled, and both under a mask where
-        the runner serves structured outputs."""
+        the runner serves structured outputs. `compile_program(program, *args)`: how (the
+        runner's, which reads the executable cache; None: lowered and compiled here)."""
         sampled = batch._replace(temperature=np.ones_like(batch.temperature))
         batches = [batch, sampled]
         if structured_outputs:
             batches += [b._replace(use_mask=np.ones(1, np.int32)) for b in (batch, sampled)]
         for b in batches:
             head, args = self._pick(logits, b)
-            head.lower(*args).compile()
+            if compile_program is None:
+                head.lower(*args).compile()
+            else:
+                compile_program(head, *args)
+
+
+def _rows(logits, *rest) -> int:
+    """A head call's bucket: its rows."""
+    return logits.shape[0]
