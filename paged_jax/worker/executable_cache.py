@@ -24,7 +24,13 @@ lowered program and sees it, this cache does not. On load, the entry's full key 
 compared with the wanted one (no hash collision is served), its argument shapes and dtypes
 with the call's, and any failure (a missing FFI target, a truncated or corrupt file, an
 unpickling error, another JAX's format) logs one line and compiles as if there were no
-entry, then rewrites it.
+entry; an entry that is not this program's is deleted.
+
+Only freshly compiled programs are stored (`_compile`): on jaxlib 0.10.2's CPU backend an
+executable that was itself deserialized, as a hit of JAX's persistent cache is, serializes
+to bytes that load but fail when run. So after an edit of the sources that leaves a
+program's HLO unchanged, JAX's cache serves it, traced and lowered as before, and this
+cache gets it only when it is next compiled anew (an empty or evicted JAX cache).
 
 On and off with the persistent compilation cache (`executable_cache_dir`: the sibling
 directory of JAX's cache directory), so `LLM(compilation_cache=...)` and the server switch
@@ -54,8 +60,6 @@ from typing import Any, Callable, Hashable
 import jax
 from jax.experimental import serialize_executable
 
-import paged_jax
-
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped when an entry's layout changes
@@ -68,6 +72,8 @@ _IGNORED_CONFIG_PREFIXES = ("jax_compilation_cache", "jax_persistent_cache", "ja
                             "jax_explain_cache_misses", "jax_logging_level", "jax_debug_log_modules",
                             "jax_raise_persistent_cache_errors")
 _ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "PAGED_JAX_CPU_MARCH", "CXX")  # steer XLA or the kernel build
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX's events (`_compile`)
+_PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class BucketPrograms:
@@ -93,6 +99,11 @@ class BucketPrograms:
         return self.jitted.lower(*args)
 
 
+def one_bucket(*args) -> tuple:
+    """The bucket of a program compiled for one shape only."""
+    return ()
+
+
 def executable_cache_dir() -> str | None:
     """The executable cache's directory: the sibling of JAX's compilation cache directory
     (`<dir>-executables`), or None where that cache is off (no directory, or JAX's
@@ -109,7 +120,7 @@ def source_digest(root: str | None = None) -> str:
     """sha256 over every source file of SOURCE_PACKAGES under `root` (None: where paged_jax
     was imported from), paths and bytes in sorted order. Computed once per process: a
     running process does not see its own edits either."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(paged_jax.__file__)))
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     digest = hashlib.sha256()
     for package in SOURCE_PACKAGES:
         for directory, subdirs, files in sorted(os.walk(os.path.join(root, package))):
@@ -185,22 +196,29 @@ def runner_settings(runner) -> dict[str, Any] | None:
 
 
 def _compile(jitted, args: tuple):
-    """(the Compiled program of `jitted` for `args`, whether it was freshly compiled). Only a
-    fresh program can be stored: on this jaxlib (0.10.2, CPU), serializing an executable that
+    """(the Compiled program of `jitted` for `args`, whether XLA compiled it just now). Only
+    such a program can be stored: on this jaxlib (0.10.2, CPU), serializing an executable that
     was itself deserialized -- as every hit of JAX's persistent cache is -- gives bytes that
-    load but fail when run ("Function ... not found"). So a program JAX's cache served is used
-    but not stored; JAX's cache serves it again at the next start, as without this cache."""
-    served = []
+    load but fail when run ("Function ... not found"). JAX's events tell: a backend compile
+    and no persistent-cache hit. Without a backend compile, JAX's in-memory cache returned an
+    executable compiled (or read) earlier in this process -- a jit of a module-level
+    function is shared by every runner -- which may have been read. A program not compiled
+    now is used but not stored; the next start gets it as without this cache."""
+    events = set()
 
-    def listen(event: str, **kwargs) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            served.append(event)
-    jax.monitoring.register_event_listener(listen)
+    def on_event(event: str, **kwargs) -> None:
+        events.add(event)
+
+    def on_duration(event: str, seconds: float, **kwargs) -> None:
+        events.add(event)
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
         compiled = jitted.lower(*args).compile()
     finally:
-        jax.monitoring.unregister_event_listener(listen)
-    return compiled, not served
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+    return compiled, _BACKEND_COMPILE in events and _PERSISTENT_CACHE_HIT not in events
 
 
 def _leaf_key(leaf) -> str:
@@ -222,7 +240,7 @@ class ExecutableCache:
     hits: int = 0
     misses: int = 0
     errors: int = 0
-    not_stored: int = 0  # misses that JAX's persistent cache served (`_compile` says why they are not stored)
+    not_stored: int = 0  # misses XLA did not compile just now (`_compile` says why they are not stored)
     load_seconds: float = 0.0
 
     @classmethod

@@ -63,7 +63,7 @@ from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, empty_batch, prepare_batch
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
-from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache
+from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, one_bucket
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import StepResult, any_head, prompt_logprob_head
@@ -166,9 +166,11 @@ class ModelRunner:
             "in_shardings": (step_shardings["in_shardings"][0], tp.replicated(mesh), tp.replicated(mesh),
                              tp.replicated(mesh)), "out_shardings": tp.replicated(mesh)}
         self._prompt_head = BucketPrograms("prompt_head", jax.jit(self._prompt_head_impl, **prompt_shardings),
-                                           _one_bucket)
-        self._copy_blocks = BucketPrograms("copy_blocks", jax.jit(kvc.copy_blocks, donate_argnums=(0,),
-                                                                  **cache_shardings), _one_bucket)
+                                           one_bucket)
+        # jitted as this runner's own function: a jit of the module-level one is shared by every runner in
+        # the process, whose later warm-ups then get its executable from memory, unstorable (executable_cache)
+        self._copy_blocks = BucketPrograms("copy_blocks", jax.jit(functools.partial(kvc.copy_blocks),
+                                                                  donate_argnums=(0,), **cache_shardings), one_bucket)
 
     # ---- device functions -------------------------------------------------------------
     def _count_trace(self) -> None:
@@ -263,10 +265,9 @@ class ModelRunner:
         second or more of a warm SmolLM2 start on 2 cores, more with 1024-token buckets
         (one-off runs of `python -m experiments.startup_time`).
 
-        With the persistent compilation cache on, each program comes whole from the
-        executable cache (executable_cache.py says why and what its key covers) and that
-        bucket's calls run it: a warm start traces and lowers nothing; a miss compiles as
-        above and stores the program for the next start."""
+        With the persistent compilation cache on, each program is read whole from the
+        executable cache (executable_cache.py) and its bucket's calls run it: a warm start
+        traces and lowers nothing."""
         # Tracing makes many objects, and each full collection then walks every object the
         # process holds (the loaded model's, the tokenizer's, the imported libraries'): frozen
         # for the warm-up's length, the collector looks only at what warm-up creates (about a
@@ -420,11 +421,6 @@ class ModelRunner:
 def _batch_bucket(params, kv_cache, batch: BatchInputs, *rest) -> tuple[int, int]:
     """A step call's bucket: (num_seqs, num_tokens) of its padded batch."""
     return batch.block_tables.shape[0], batch.token_ids.shape[0]
-
-
-def _one_bucket(*args) -> tuple:
-    """The bucket of a program compiled for one shape only."""
-    return ()
 
 
 def _step_inputs(batch: BatchInputs) -> BatchInputs:

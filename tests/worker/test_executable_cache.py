@@ -20,8 +20,9 @@ from paged_jax.worker.executable_cache import ExecutableCache
 
 SETTINGS = dict(block_size=8, num_blocks=32, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8,
                 seq_buckets=(2,), token_buckets=(8,), enable_prefix_caching=False)
-GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-SAMPLED = SamplingParams(temperature=0.9, top_k=7, seed=11, max_tokens=5, ignore_eos=True, logprobs=2)
+# prompt logprobs run the prompt head; two samples sharing a partly filled block copy it on write
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+SAMPLED = SamplingParams(n=2, temperature=0.9, top_k=7, seed=11, max_tokens=5, ignore_eos=True, logprobs=2)
 PROMPTS = ([3, 4, 5], [6, 7, 8, 9, 10, 11])
 
 
@@ -44,8 +45,9 @@ def cache_dir(tmp_path):
 
 
 def _serve(model, **settings):
-    """(the engine's runner, its outputs: per request the tokens and logprobs of one greedy and
-    one seeded sampled generation), checking that serving traced nothing after warm-up."""
+    """(the engine's runner, its outputs: per completion its tokens and logprobs, per request
+    its prompt logprobs, of a greedy request and a seeded sampled one with two completions),
+    checking that serving traced nothing after warm-up."""
     engine = LLMEngine(model, EngineConfig(**{**SETTINGS, **settings}))
     runner = engine.core.runner
     traced = runner.num_compilations
@@ -55,15 +57,18 @@ def _serve(model, **settings):
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+                prompt = [sorted((t, x.logprob) for t, x in p.items()) for p in out.prompt_logprobs or [] if p]
+                outputs[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs] + [([], prompt)]
     assert runner.num_compilations == traced, "serving traced a program warm-up did not provide"
-    return runner, [outputs[f"r{i}"] for i in range(len(PROMPTS))]
+    return runner, [completion for i in range(len(PROMPTS)) for completion in outputs[f"r{i}"]]
 
 
 def _assert_same(outputs, expected):
+    assert any(logprobs and isinstance(logprobs[0], list) for _, logprobs in expected)  # prompt logprobs came
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(outputs, expected, strict=True):
         assert tokens == want_tokens
-        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(logprobs, dtype=float), np.asarray(want_logprobs, dtype=float),
+                                   rtol=1e-6)
 
 
 def _entries(cache_dir):
@@ -190,6 +195,26 @@ def test_a_program_from_jax_persistent_cache_is_not_stored(tiny_llama, cache_dir
     _assert_same(again_outputs, cold_outputs)
 
 
+def test_only_a_program_compiled_now_is_stored(cache_dir, tmp_path):
+    """What JAX's in-memory or persistent cache returns may have been deserialized, and such
+    an executable, serialized again, fails when run (`executable_cache._compile`)."""
+    def make_cube():  # each call: the same program (name included), from a function JAX's memory does not know
+        def cube(x):
+            return x * x * x
+        return cube
+    args = (np.arange(5, dtype=np.float32),)
+    jitted = jax.jit(make_cube())
+    fresh = ExecutableCache(str(tmp_path / "fresh"), "context")
+    fresh.load_or_compile("cube", jitted, args)  # XLA compiles it (and JAX's persistent cache stores it)
+    in_memory = ExecutableCache(str(tmp_path / "in_memory"), "context")
+    np.testing.assert_array_equal(in_memory.load_or_compile("cube", jitted, args)(*args), args[0] ** 3)
+    persistent = ExecutableCache(str(tmp_path / "persistent"), "context")
+    np.testing.assert_array_equal(persistent.load_or_compile("cube", jax.jit(make_cube()), args)(*args), args[0] ** 3)
+    assert [c.not_stored for c in (fresh, in_memory, persistent)] == [0, 1, 1]
+    assert [len(os.listdir(c.directory)) if os.path.isdir(c.directory) else 0
+            for c in (fresh, in_memory, persistent)] == [1, 0, 0]
+
+
 def test_cache_off_writes_nothing(tiny_llama, cache_dir):
     jax_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", False)
@@ -199,11 +224,12 @@ def test_cache_off_writes_nothing(tiny_llama, cache_dir):
     assert not os.path.exists(cache_dir + "-executables")
 
 
-def test_least_recently_used_entries_are_evicted(tmp_path):
-    cache = ExecutableCache(str(tmp_path), "context", max_bytes=1)
+def test_least_recently_used_entries_are_evicted(cache_dir, tmp_path):
+    entries = tmp_path / "entries"
+    cache = ExecutableCache(str(entries), "context", max_bytes=1)
     square = jax.jit(lambda x: x * x)
     cache.load_or_compile("square", square, (np.zeros(2, np.float32),))
-    assert len(os.listdir(tmp_path)) == 1  # over the limit, but the newest entry stays
+    assert len(os.listdir(entries)) == 1  # over the limit, but the newest entry stays
     cache.load_or_compile("square", square, (np.zeros(3, np.float32),))
-    [kept] = os.listdir(tmp_path)
+    [kept] = os.listdir(entries)
     assert kept == os.path.basename(cache.path(cache.key("square", (np.zeros(3, np.float32),))))
