@@ -19,18 +19,19 @@ model class, platform, weight layout, head variant), and per program its name, i
 pytree structure and every input's shape, dtype, weak type and sharding. A model class or
 platform defined outside those packages (a notebook's, a test's) would escape the source
 hash, so such a runner uses no executable cache. What remains unseen is code patched at
-runtime (monkeypatching a traced function) -- the persistent cache below is keyed by the
-lowered program and sees it, this cache does not. On load, the entry's full key text is
+runtime (monkeypatching a traced function): JAX's persistent cache, keyed by the lowered
+program, sees it; this cache does not. On load, the entry's full key text is
 compared with the wanted one (no hash collision is served), its argument shapes and dtypes
 with the call's, and any failure (a missing FFI target, a truncated or corrupt file, an
 unpickling error, another JAX's format) logs one line and compiles as if there were no
 entry; an entry that is not this program's is deleted.
 
-Only freshly compiled programs are stored (`_compile`): on jaxlib 0.10.2's CPU backend an
-executable that was itself deserialized, as a hit of JAX's persistent cache is, serializes
-to bytes that load but fail when run. So after an edit of the sources that leaves a
-program's HLO unchanged, JAX's cache serves it, traced and lowered as before, and this
-cache gets it only when it is next compiled anew (an empty or evicted JAX cache).
+Only programs XLA compiled just now are stored (`_compile`): on jaxlib 0.10.2's CPU backend
+an executable that was itself deserialized, as a hit of JAX's persistent cache is (or one
+JAX's in-memory cache returns after such a hit), serializes to bytes that load but fail when
+run. So where JAX's cache already holds a program -- after an edit of the sources that left
+its HLO unchanged, or a JAX cache filled before this cache existed -- JAX's cache serves it,
+traced and lowered as before, and this cache gets it only once it is compiled anew.
 
 On and off with the persistent compilation cache (`executable_cache_dir`: the sibling
 directory of JAX's cache directory), so `LLM(compilation_cache=...)` and the server switch
@@ -123,8 +124,7 @@ def source_digest(root: str | None = None) -> str:
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     digest = hashlib.sha256()
     for package in SOURCE_PACKAGES:
-        for directory, subdirs, files in sorted(os.walk(os.path.join(root, package))):
-            subdirs.sort()
+        for directory, _, files in sorted(os.walk(os.path.join(root, package))):
             for name in sorted(files):
                 if name.endswith(SOURCE_SUFFIXES):
                     path = os.path.join(directory, name)
