@@ -15,10 +15,13 @@ Per run the record holds the wall time of each phase, from the process's spawn:
 python start-up, `import jax`, `import paged_jax` (+ LLM), model load (for GGUF: weights
 and tokenizer), weight packing (the runner's serving layout and packed LM head, with the
 native kernel build), the rest of the runner's and the engine's build, warm-up (per
-bucket: its step and heads, traced, lowered and compiled or read from the cache, then run
-once), the first generate; JAX's own compile events (trace, lower, backend compile, cache
-reads, hits and misses) per phase; the process's CPU seconds (on a shared machine, wall
-time above CPU time is time the process waited for a core); and what the console showed.
+bucket: its step and heads, read whole from the executable cache
+(`paged_jax/worker/executable_cache.py`, the sibling of the compilation cache) or traced,
+lowered and compiled or read from the compilation cache), the first generate; JAX's own
+compile events (trace, lower, backend compile, cache reads, hits and misses) per phase; the
+executable cache's hits, misses, unreadable entries and the seconds spent reading and
+writing it; the process's CPU seconds (on a shared machine, wall time above CPU time is
+time the process waited for a core); and what the console showed.
 The phases are timed by wrapping the functions that do them (`_HOOKS`); a hook whose
 function has moved records None, and the dry-run test fails until it is pointed at the
 new place. Greedy outputs of every run are recorded and must be equal.
@@ -67,6 +70,8 @@ _HOOKS = {
     "pack_lm_head": ("paged_jax.platform.cpu_linear", "F32ColumnsLinear", "pack_head"),  # f32 (the default dtype)
     "native_kernel_build": ("cpu_kernels.build", "", "library_path"),
     "warm_up": ("paged_jax.worker.model_runner", "ModelRunner", "warm_up"),
+    "executable_cache_read": ("paged_jax.worker.executable_cache", "ExecutableCache", "_load"),
+    "executable_cache_write": ("paged_jax.worker.executable_cache", "ExecutableCache", "_store"),
 }
 _PACKING = ("pack_unstack_layers", "pack_choose_layout", "pack_layer_matrices", "pack_lm_head")
 
@@ -155,6 +160,15 @@ def child(path: str, options: dict) -> None:
             line.buckets.append((num_seqs, num_tokens, line.now()))
             return empty_batch(runner, num_seqs, num_tokens)
         ModelRunner.empty_batch = marked
+    caches = []  # every ExecutableCache warm-up used, for its counts
+    from paged_jax.worker.executable_cache import ExecutableCache
+    load_or_compile = ExecutableCache.load_or_compile
+
+    def counted(cache, *args):
+        if not any(c is cache for c in caches):
+            caches.append(cache)
+        return load_or_compile(cache, *args)
+    ExecutableCache.load_or_compile = counted
     enable_compilation_cache()  # $PAGED_JAX_CACHE_DIR: the parent's directory
     settings = {k: options[k] for k in _ENGINE_SETTINGS if options.get(k) is not None}
     t_llm = line.now()
@@ -192,6 +206,9 @@ def child(path: str, options: dict) -> None:
         "compile": {"before_llm": line.compile_events(0.0, t_llm), "llm_init": line.compile_events(t_llm, t_ready),
                     "warm_up": line.compile_events(*warm), "first_generate": line.compile_events(t_ready, t_done)},
         "warm_up_buckets": buckets,
+        "executable_cache": {"hits": sum(c.hits for c in caches), "misses": sum(c.misses for c in caches),
+                             "unreadable": sum(c.errors for c in caches),
+                             "read_s": round(sum(c.load_seconds for c in caches), 3)},
         "output_token_ids": list(out.outputs[0].token_ids),
     }
     with open(path, "w") as f:
@@ -233,15 +250,18 @@ def main(argv):
         runs += [run_once(f"warm{i + 1}" if _WARM_RUNS.value > 1 else "warm", cache_dir, kernel_dir, options)
                  for i in range(_WARM_RUNS.value)]
         cache_files = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
+        executables_dir = cache_dir + "-executables"  # executable_cache.executable_cache_dir()
+        executable_files = len(os.listdir(executables_dir)) if os.path.isdir(executables_dir) else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for r in runs:
         p = r["phases_s"]
         print(f"{r['run']:>6}: ready {r['ready_s']:6.1f}s  (import {p['import_jax'] + p['import_paged_jax']:.1f}, "
-              f"load {p['model_load']}, packing {p['weight_packing']}, warm-up {p['warm_up']}; "
+              f"load {p['model_load']}, packing {p['weight_packing']}, warm-up {p['warm_up']}, "
+              f"{r['executable_cache']['hits']} programs from the executable cache; "
               f"cpu {r['cpu_s']:.1f}s)  first generate {p['first_generate']:.2f}s")
     figures = {"model": _MODEL.value, "cpu": cpu_model() or "unknown", "note": _NOTE.value,
-               "cache_entries_after": cache_files,
+               "cache_entries_after": cache_files, "executable_cache_entries_after": executable_files,
                "greedy_outputs_equal": all(r["output_token_ids"] == runs[0]["output_token_ids"] for r in runs),
                "runs": runs}
     if not _OUTPUT.value:

@@ -11,6 +11,10 @@ settings compiles 56 programs: with a 0.5 s threshold 24 were stored and a warm 
 still spent 4.2 s in the compiler; with none, all 56 were read back and it spent 2.0 s
 (reads included), on 2 shared cores (one-off runs of `python -m experiments.startup_time`,
 whose record reports a start's compile events).
+
+The same switch turns on the executable cache (executable_cache.py, in the sibling directory
+`<path>-executables`), which keeps the compiled programs whole so that a warm start need not
+trace and lower them to find them here.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import numpy as np
 
 from paged_jax.distributed import tensor_parallel as tp
 from paged_jax.worker.batch_inputs import BatchInputs
+from paged_jax.worker.executable_cache import BucketPrograms
 from paged_jax.worker.step_head import StepResult, greedy_head, greedy_head_masked, sampled_head, sampled_head_masked
 
 
@@ -32,11 +33,16 @@ class SplitHeads:
         self.k = k
         self._on_trace = on_trace
         shardings = {} if mesh is None else {"in_shardings": tp.replicated(mesh), "out_shardings": tp.replicated(mesh)}
+        # per row bucket, the Compiled program the runner's warm-up loaded or compiled (`BucketPrograms`);
         # the token feed (argument 1) is donated: each head writes its tokens into it (`_fed`)
-        self._greedy = jax.jit(self._greedy_impl, donate_argnums=(1,), **shardings)
-        self._sampled = jax.jit(self._sampled_impl, donate_argnums=(1,), **shardings)
-        self._greedy_masked = jax.jit(self._greedy_masked_impl, donate_argnums=(1,), **shardings)
-        self._sampled_masked = jax.jit(self._sampled_masked_impl, donate_argnums=(1,), **shardings)
+        self._greedy = BucketPrograms("head_greedy", jax.jit(self._greedy_impl, donate_argnums=(1,), **shardings),
+                                      _rows)
+        self._sampled = BucketPrograms("head_sampled", jax.jit(self._sampled_impl, donate_argnums=(1,), **shardings),
+                                       _rows)
+        self._greedy_masked = BucketPrograms(
+            "head_greedy_masked", jax.jit(self._greedy_masked_impl, donate_argnums=(1,), **shardings), _rows)
+        self._sampled_masked = BucketPrograms(
+            "head_sampled_masked", jax.jit(self._sampled_masked_impl, donate_argnums=(1,), **shardings), _rows)
 
     def _greedy_impl(self, logits, feed, want_top):
         self._on_trace()
@@ -86,17 +92,27 @@ class SplitHeads:
         rows, k = tokens.shape[0], self.k
         return StepResult(tokens, best, np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32))
 
-    def warm_up(self, logits, feed, batch: BatchInputs, structured_outputs: bool) -> None:
+    def warm_up(self, logits, feed, batch: BatchInputs, structured_outputs: bool,
+                compile_program: Callable[..., None] | None = None) -> None:
         """Compile, without running, every head for the row bucket of `batch` (all padding;
         `logits` and `feed` may be ShapeDtypeStructs): greedy and sampled, and both under a mask
-        where the runner serves structured outputs."""
+        where the runner serves structured outputs. `compile_program(program, *args)`: how (the
+        runner's, which reads the executable cache; None: lowered and compiled here)."""
         sampled = batch._replace(temperature=np.ones_like(batch.temperature))
         batches = [batch, sampled]
         if structured_outputs:
             batches += [b._replace(use_mask=np.ones(1, np.int32)) for b in (batch, sampled)]
         for b in batches:
             head, args = self._pick(logits, feed, b)
-            head.lower(*args).compile()
+            if compile_program is None:
+                head.lower(*args).compile()
+            else:
+                compile_program(head, *args)
+
+
+def _rows(logits, *rest) -> int:
+    """A head call's bucket: its rows."""
+    return logits.shape[0]
 
 
 def _fed(result: StepResult, feed: jax.Array) -> tuple[StepResult, jax.Array]:

@@ -66,6 +66,7 @@ from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch, prepare_batch
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
+from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, one_bucket
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import StepResult, fused_head, prompt_logprob_head
@@ -105,6 +106,7 @@ class ModelRunner:
             self.rope_tables = rope_tables(inv_freq, config.max_model_len)
         self.model_config = model_config
         self.config = config
+        self.model_class = model_class
         self.graphdef, param_shapes = split_model(model_class, model_config)
         check_params(param_shapes, params, f"params for {model_class.__name__}")
         self.params = unstack_layers(params) if self.unroll_layers else params
@@ -155,6 +157,7 @@ class ModelRunner:
                       model_config.head_dim)
         self.block_mover = BlockMover(host_shape, dtype, num_blocks, mesh)  # swap space, whole-block moves
         self.num_compilations = 0  # traces of the step function (one per compiled shape)
+        self.executables: ExecutableCache | None = None  # where warm-up found its programs (`warm_up`)
         self._step_seconds = 0.0  # wall time inside step calls (`device_seconds` adds the block moves)
         # multi-host leader: sends each step's inputs to the follower processes first
         self.on_step: Callable[[BatchInputs], None] | None = None
@@ -172,18 +175,25 @@ class ModelRunner:
         # BatchInputs.feed_rows); every program that samples writes it (donated)
         self._feed = jax.device_put(np.zeros(max(config.seq_buckets), np.int32),
                                     tp.replicated(mesh) if mesh is not None else None)
+        # per (num_seqs, num_tokens) bucket, the Compiled program warm-up loaded or compiled (`BucketPrograms`);
         # static: the step's kind where the attention kernels split decode steps (`_kind`), and whether
         # the fused head samples: chosen on the host, a program each, so no step runs a `lax.cond`
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6), static_argnames=("kind",), **step_shardings)
-        self._fused_step = jax.jit(self._fused_step_impl, donate_argnums=(1, 5),  # no mesh (`fused_head`)
-                                   static_argnames=("kind", "sample"))
+        self._step = BucketPrograms("step", jax.jit(self._step_impl, donate_argnums=(1, 5, 6),
+                                                    static_argnames=("kind",), **step_shardings), _batch_bucket)
+        self._fused_step = BucketPrograms("fused_step", jax.jit(self._fused_step_impl, donate_argnums=(1, 5),
+                                                                static_argnames=("kind", "sample")),
+                                          _batch_bucket)  # no mesh (`fused_head`)
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
         self._heads = SplitHeads(self.num_top_logprobs, mesh, self._count_trace)
         prompt_shardings = {} if mesh is None else {
             "in_shardings": (step_shardings["in_shardings"][0], tp.replicated(mesh), tp.replicated(mesh),
                              tp.replicated(mesh)), "out_shardings": tp.replicated(mesh)}
-        self._prompt_head = jax.jit(self._prompt_head_impl, **prompt_shardings)
-        self._copy_blocks = jax.jit(kvc.copy_blocks, donate_argnums=(0,), **cache_shardings)
+        self._prompt_head = BucketPrograms("prompt_head", jax.jit(self._prompt_head_impl, **prompt_shardings),
+                                           one_bucket)
+        # jitted as this runner's own function: a jit of the module-level one is shared by every runner in
+        # the process, whose later warm-ups then get its executable from memory, unstorable (executable_cache)
+        self._copy_blocks = BucketPrograms("copy_blocks", jax.jit(functools.partial(kvc.copy_blocks),
+                                                                  donate_argnums=(0,), **cache_shardings), one_bucket)
 
     # ---- device functions -------------------------------------------------------------
     def _count_trace(self) -> None:
@@ -289,7 +299,11 @@ class ModelRunner:
         fills the same caches a call does, so the first real step neither traces nor
         compiles, `tests/worker/test_warm_up.py`): running every padded bucket once was a
         second or more of a warm SmolLM2 start on 2 cores, more with 1024-token buckets
-        (one-off runs of `python -m experiments.startup_time`)."""
+        (one-off runs of `python -m experiments.startup_time`).
+
+        With the persistent compilation cache on, each program is read whole from the
+        executable cache (executable_cache.py) and its bucket's calls run it: a warm start
+        traces and lowers nothing."""
         # Tracing makes many objects, and each full collection then walks every object the
         # process holds (the loaded model's, the tokenizer's, the imported libraries'): frozen
         # for the warm-up's length, the collector looks only at what warm-up creates (about a
@@ -297,6 +311,7 @@ class ModelRunner:
         # unfrozen after, so nothing stays pinned
         gc.freeze()
         try:
+            self.executables = ExecutableCache.for_runner(self)
             self._compile_buckets(progress)
         finally:
             gc.unfreeze()
@@ -313,29 +328,38 @@ class ModelRunner:
             if self.fused_head:  # a program per kind and head variant (greedy, sampling)
                 for kind in kinds[num_seqs, num_tokens]:
                     for sample in (False, True):
-                        self._fused_step.lower(self.params, self.kv_cache, self._fused_inputs(batch), self.rope_tables,
-                                               self.packed_head, self._feed, kind=kind, sample=sample).compile()
+                        self._compile(self._fused_step, self.params, self.kv_cache, self._fused_inputs(batch),
+                                      self.rope_tables, self.packed_head, self._feed, kind=kind, sample=sample)
                 bar.update()
                 continue
             logits = self._logits_buffer(batch)  # the buffer the first real step of this bucket donates
             for kind in kinds[num_seqs, num_tokens]:
-                self._step.lower(self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
-                                 logits, self._feed, kind=kind).compile()
+                self._compile(self._step, self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
+                              self.packed_head, logits, self._feed, kind=kind)
             if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
                 heads_compiled.add(num_seqs)
-                self._heads.warm_up(logits, self._feed, batch, self.structured_outputs)
+                self._heads.warm_up(logits, self._feed, batch, self.structured_outputs, self._compile)
             self._logits_buffers[num_seqs] = logits
             bar.update()
         bar.set_postfix_str("prompt logprobs, block copies and moves")
         hidden = np.zeros((PROMPT_LOGPROB_ROWS, self.model_config.hidden_size), np.float32)
-        jax.block_until_ready(self._prompt_head(self.params, self.packed_head, hidden,
-                                                np.zeros(PROMPT_LOGPROB_ROWS, np.int32)))
+        self._compile(self._prompt_head, self.params, self.packed_head, hidden, np.zeros(PROMPT_LOGPROB_ROWS, np.int32))
         no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
-        self.kv_cache = jax.block_until_ready(self._copy_blocks(self.kv_cache, no_copies, no_copies))
+        self._compile(self._copy_blocks, self.kv_cache, no_copies, no_copies)
         if self.block_mover.num_host_blocks or self.config.kv_transfer:  # swaps / prompt K/V moves
             self.kv_cache = self.block_mover.warm_up(self.kv_cache)
         bar.update()
         bar.close()
+
+    def _compile(self, program: BucketPrograms, *args, **static) -> None:
+        """Make `program`'s call with `args` (its bucket) and static keyword arguments ready
+        without running it: from the executable cache where it is on (that bucket's calls then
+        run the Compiled program), else lowered and compiled into the jit's own caches."""
+        if self.executables is None:
+            program.lower(*args, **static).compile()
+        else:
+            program.programs[program.bucket_key(args, static)] = self.executables.load_or_compile(
+                program.name, program.jitted, args, static)
 
     @property
     def device_seconds(self) -> float:
@@ -494,6 +518,11 @@ class ModelRunner:
         if self.structured_outputs:
             return batch._replace(prompt_targets=None)
         return _step_inputs(batch)
+
+
+def _batch_bucket(params, kv_cache, batch: BatchInputs, *rest) -> tuple[int, int]:
+    """A step call's bucket: (num_seqs, num_tokens) of its padded batch."""
+    return batch.block_tables.shape[0], batch.token_ids.shape[0]
 
 
 def _step_inputs(batch: BatchInputs) -> BatchInputs:

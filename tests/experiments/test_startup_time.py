@@ -2,8 +2,9 @@
 buckets, started cold and then warm in fresh processes, as the record's runs are.
 
 It checks what the record relies on: every phase hook still finds its function (a moved
-one would record None), the cold run fills the persistent compilation cache and the warm
-run reads every program back from it, warm-up's buckets are the engine's, the phases add
+one would record None), the cold run fills the persistent compilation cache and the
+executable cache and the warm run reads every warm-up program whole from the latter (it
+traces nothing), warm-up's buckets are the engine's, the phases add
 up to the time to ready, and both runs generate the same greedy tokens."""
 
 import json
@@ -42,10 +43,16 @@ def test_dry_run_cold_then_warm():
         assert sum(b["seconds"] for b in r["warm_up_buckets"]) <= p["warm_up"] + 1e-3
         assert p["weight_packing"] <= p["runner_build"] + 1e-3
 
+    # the cold run compiles every program and stores it in both caches ...
     assert cold["compile"]["warm_up"]["cache_misses"] > 0 and cold["compile"]["warm_up"]["cache_hits"] == 0
-    warm_up = warm["compile"]["warm_up"]
-    assert warm_up["cache_misses"] == 0 and warm_up["cache_hits"] == warm_up["programs"] > 0
     assert figures["cache_entries_after"] >= cold["compile"]["warm_up"]["programs"]
+    stored = cold["executable_cache"]["misses"]
+    assert stored > 0 and cold["executable_cache"]["hits"] == 0 and cold["phases_s"]["executable_cache_write"] > 0
+    assert figures["executable_cache_entries_after"] == stored
+    # ... and the warm run reads every one whole from the executable cache: warm-up traces nothing
+    assert warm["executable_cache"] == {**warm["executable_cache"], "hits": stored, "misses": 0, "unreadable": 0}
+    assert warm["executable_cache"]["read_s"] > 0 and warm["phases_s"]["executable_cache_read"] > 0
+    assert warm["compile"]["warm_up"]["trace_s"] == 0 and warm["compile"]["warm_up"]["cache_misses"] == 0
 
 
 def test_results_row_shows_cold_and_best_warm_time():

@@ -30,7 +30,9 @@ def test_serving_after_warm_up_compiles_nothing(tiny_llama, compile_events):
     config = EngineConfig(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                           seq_buckets=(1, 4), token_buckets=(8, 16), enable_prefix_caching=False)
     engine = LLMEngine(tiny_llama, config)
-    assert engine.core.runner.num_compilations > 0  # warm-up traced every program ...
+    runner = engine.core.runner
+    # warm-up traced every program, or read it whole from the executable cache (executable_cache.py) ...
+    assert runner.num_compilations > 0 or runner.executables.hits > 0
     compile_events.clear()
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=6, ignore_eos=True, logprobs=2)
