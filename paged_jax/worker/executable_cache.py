@@ -195,7 +195,7 @@ def runner_settings(runner) -> dict[str, Any] | None:
         weight_layout=runner.weight_layout, fused_head=runner.fused_head, unroll_layers=runner.unroll_layers,
         structured_outputs=runner.structured_outputs, num_top_logprobs=runner.num_top_logprobs,
         mask_words=runner.mask_words, max_copies=runner.max_copies, num_blocks=runner.num_blocks,
-        takes_linear=runner.takes_linear, rope_tables=runner.rope_tables is not None,
+        takes_linear=runner.step_model.takes_linear, rope_tables=runner.rope_tables is not None,
         packed_head=runner.packed_head is not None)
     return settings
 

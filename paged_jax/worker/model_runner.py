@@ -17,18 +17,11 @@ Copy-on-write block copies run as their own jitted call, only in steps that have
 batch's copy list is padded to max_num_seqs; copying the padding inside every step cost
 36 ms at max_num_seqs 128, SmolLM2: `experiments/step_shape_costs.py`).
 
-What differs by device comes from the platform layer (paged_jax/platform/), asked once here
-and handed to the model as arguments: the attention kernels of the resolved backend, and
-the `Linear` (paged_jax/model/linear.py) the layers multiply with, in whose layout the
-weights (and, where it has one, the LM head) are held.
-Every bucket compiles at warm-up; a counter incremented at trace time proves nothing
-compiles afterwards.
-
-The model is a Flax NNX class (`paged_jax.model.decoder.LlamaDecoder` unless the loaded
-model names its own): the runner keeps only its static GraphDef and the parameter
-pytree, and the step rebuilds the module from the params it is passed
-(`paged_jax/model/functional.py`), so the jitted step is a pure function of
-(params, cache, batch).
+What differs by device comes from the platform layer (paged_jax/platform/), asked once, by
+the StepModel (step_model.py): the attention kernels, the `Linear` and the weights' layout,
+and the functions the programs here are jitted from. Every bucket compiles at warm-up (or
+comes whole from the executable cache, executable_cache.py); a counter incremented at trace
+time proves nothing compiles afterwards.
 
 With a `mesh` (tensor_parallel_size > 1, `paged_jax/distributed/tensor_parallel.py`) the same step
 runs SPMD over the mesh: the cache is created sharded by KV head, attention runs per
@@ -40,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import inspect
 import sys
 import time
 from typing import Callable, Mapping, NamedTuple
@@ -51,16 +43,13 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from paged_jax.attention.paged_attention import PagedMetadata, paged_attention
 from paged_jax.config.engine_config import EngineConfig
 from paged_jax.config.model_config import ModelConfig
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.core.sequence import Sequence
 from paged_jax.distributed import tensor_parallel as tp
 from paged_jax.model.decoder import LlamaDecoder
-from paged_jax.model.functional import check_params, layer_matrices_as, restack_layers, split_model, unstack_layers
 from paged_jax.model.llama import Params
-from paged_jax.model.rope import inverse_frequencies, rope_tables
 from paged_jax.platform import Platform, current_platform
 from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch, prepare_batch
@@ -69,7 +58,8 @@ from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, one_bucket
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
-from paged_jax.worker.step_head import StepResult, fused_head, prompt_logprob_head
+from paged_jax.worker.step_head import StepResult
+from paged_jax.worker.step_model import StepModel
 
 
 class DispatchedStep(NamedTuple):
@@ -89,47 +79,25 @@ class ModelRunner:
         (what the engine asks for when it can compile grammars: it has a tokenizer).
         `platform`: what differs by device (None: `current_platform()`; tests pass one to run
         another platform's choices, e.g. the fused head, on this machine)."""
-        if config.attention_backend == "auto":
-            raise ValueError("resolve attention_backend 'auto' before building the runner (engine/kv_sizing.py)")
         self.platform = current_platform() if platform is None else platform
-        self.attention_kernels = self.platform.attention_kernels(config.attention_backend)
-        if config.layer_loop not in ("unroll", "scan"):
-            raise ValueError(f"resolve layer_loop {config.layer_loop!r} before building the runner")
-        # a Python loop over per-layer weights (LlamaDecoder's unroll_layers) where the class's call takes
-        # it; a tensor-parallel step keeps the scan (its shardings follow the stacked parameter layout)
-        call_parameters = inspect.signature(model_class.__call__).parameters
-        self.unroll_layers = config.layer_loop == "unroll" and mesh is None and "unroll_layers" in call_parameters
-        # cos/sin of every position, gathered by the step (rope.rope_tables says why), where the class takes them
-        self.rope_tables = None
-        if "rope_tables" in call_parameters:
-            inv_freq = inverse_frequencies(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling)
-            self.rope_tables = rope_tables(inv_freq, config.max_model_len)
         self.model_config = model_config
         self.config = config
         self.model_class = model_class
-        self.graphdef, param_shapes = split_model(model_class, model_config)
-        check_params(param_shapes, params, f"params for {model_class.__name__}")
-        self.params = unstack_layers(params) if self.unroll_layers else params
-        # how the layers multiply by their matrices, and so the layout they are held in
-        self.linear = self.platform.serving_linear(params, model_class, mesh)
-        self.weight_layout = self.linear.name
-        self.params = layer_matrices_as(self.params, self.linear.pack)
-        self.takes_linear = "linear" in call_parameters  # a researcher's own class may not
-        if not self.takes_linear and self.weight_layout != "in_out":
-            raise ValueError(f"{model_class.__name__}.__call__ takes no `linear`, but the platform packed its "
-                             f"weights as {self.weight_layout!r}")
-        # the LM head in the Linear's own layout where it has one (its own copy: the embedding also serves
-        # the token lookup); XLA's dot repacked the 49k x 576 embedding on every CPU step
-        self.packed_head = None
-        if model_class.compute_logits is LlamaDecoder.compute_logits:
-            head = params.get("lm_head")
-            self.packed_head = self.linear.pack_head(params["embed"].T if head is None else head)
+        self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
+        self.structured_outputs = structured_outputs
+        self.mesh = mesh  # jax.sharding.Mesh for tensor parallelism, or None (one device)
+        # the model as the step programs run it (step_model.py): its layout, kernels and functions
+        model = self.step_model = StepModel(model_config, params, config, mesh=mesh, model_class=model_class,
+                                            platform=self.platform, structured_outputs=structured_outputs,
+                                            num_top_logprobs=self.num_top_logprobs, on_trace=self._count_trace)
+        self.attention_kernels, self.unroll_layers, self.rope_tables = (model.attention_kernels, model.unroll_layers,
+                                                                        model.rope_tables)
+        self.graphdef, self.linear, self.weight_layout = model.graphdef, model.linear, model.weight_layout
+        self.params, self.packed_head = model.params, model.packed_head
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.block_tables = HostBlockTables(self.max_blocks_per_seq)  # kept between steps (updates only)
         self.max_copies = config.max_num_seqs
-        self.num_top_logprobs = min(config.max_logprobs, model_config.vocab_size)
-        self.structured_outputs = structured_outputs
         # Host work (the structured-output bitmask) overlaps the dispatched model step only off
         # CPU: on a CPU the step's XLA threads already use every core, and overlapping made
         # the step slower (`python -m experiments.structured_outputs_overhead`, one-off: +19%
@@ -140,7 +108,6 @@ class ModelRunner:
         if config.kv_cache_dtype == "auto":
             raise ValueError("resolve kv_cache_dtype before building the runner")
         dtype = jnp.dtype(config.kv_cache_dtype)
-        self.mesh = mesh  # jax.sharding.Mesh for tensor parallelism, or None (one device)
         # the sampling head inside the model step where the platform fuses it (one dispatch per step, no
         # logits round trip); a tensor-parallel step keeps the split: its step pins (logits, cache)
         # shardings and its heads run replicated on the gathered logits, and no fused program's
@@ -178,9 +145,9 @@ class ModelRunner:
         # per (num_seqs, num_tokens) bucket, the Compiled program warm-up loaded or compiled (`BucketPrograms`);
         # static: the step's kind where the attention kernels split decode steps (`_kind`), and whether
         # the fused head samples: chosen on the host, a program each, so no step runs a `lax.cond`
-        self._step = BucketPrograms("step", jax.jit(self._step_impl, donate_argnums=(1, 5, 6),
+        self._step = BucketPrograms("step", jax.jit(model.step, donate_argnums=(1, 5, 6),
                                                     static_argnames=("kind",), **step_shardings), _batch_bucket)
-        self._fused_step = BucketPrograms("fused_step", jax.jit(self._fused_step_impl, donate_argnums=(1, 5),
+        self._fused_step = BucketPrograms("fused_step", jax.jit(model.fused_step, donate_argnums=(1, 5),
                                                                 static_argnames=("kind", "sample")),
                                           _batch_bucket)  # no mesh (`fused_head`)
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
@@ -188,7 +155,7 @@ class ModelRunner:
         prompt_shardings = {} if mesh is None else {
             "in_shardings": (step_shardings["in_shardings"][0], tp.replicated(mesh), tp.replicated(mesh),
                              tp.replicated(mesh)), "out_shardings": tp.replicated(mesh)}
-        self._prompt_head = BucketPrograms("prompt_head", jax.jit(self._prompt_head_impl, **prompt_shardings),
+        self._prompt_head = BucketPrograms("prompt_head", jax.jit(model.prompt_head, **prompt_shardings),
                                            one_bucket)
         # jitted as this runner's own function: a jit of the module-level one is shared by every runner in
         # the process, whose later warm-ups then get its executable from memory, unstorable (executable_cache)
@@ -198,80 +165,6 @@ class ModelRunner:
     # ---- device functions -------------------------------------------------------------
     def _count_trace(self) -> None:
         self.num_compilations += 1  # called only while tracing
-
-    def _step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, logits_buffer, feed, *,
-                   kind=None):
-        """The split step (no `fused_head`): the model, returning the logits for the head's own
-        call, and the token feed with the head kernel's argmax in it where there is one (the
-        tokens when `native_greedy` skips the head; a head that runs overwrites them)."""
-        del logits_buffer  # only donated: XLA writes the logits into it (`_logits_buffer`)
-        self._count_trace()
-        logits, kv_cache, hidden, greedy = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
-                                                       argmax=True, kind=kind)
-        if greedy is not None:
-            feed = feed.at[: greedy[0].shape[0]].set(greedy[0])
-        return logits, kv_cache, hidden, greedy, feed
-
-    def _fused_step_impl(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *,
-                         kind=None, sample=False):
-        """The fused step (`fused_head`): the model, then `step_head.fused_head` on its logits,
-        which never leave the program; returns what the host reads (and `hidden`, for prompt
-        logprobs) and the token feed with the sampled tokens in it."""
-        self._count_trace()
-        logits, kv_cache, hidden, _ = self._model(params, kv_cache, batch, rope_tables, packed_head, feed,
-                                                  argmax=False, kind=kind)
-        result = fused_head(logits, batch.token_bitmask if self.structured_outputs else None, batch.use_mask,
-                            batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.sample_index,
-                            k=self.num_top_logprobs, sample=sample)
-        return tuple(result[:4]), kv_cache, hidden, feed.at[: result.tokens.shape[0]].set(result.tokens)
-
-    def _model(self, params, kv_cache, batch: BatchInputs, rope_tables, packed_head, feed, *, argmax: bool,
-               kind=None):
-        """The model over the batch's tokens: (logits of each row's last token, the cache, every
-        token's hidden state, and (argmax, its logit) per row where `argmax` and a packed head's
-        kernel computes them, else None)."""
-        cfg = self.model_config
-        meta = PagedMetadata(batch.slot_mapping, batch.block_tables, batch.context_lens, batch.query_start_loc)
-        attention = functools.partial(paged_attention, sliding_window=cfg.sliding_window,
-                                      kernels=self.attention_kernels, kind=kind)
-        if self.mesh is not None:
-            attention = tp.sharded_attention(attention, self.mesh)
-        extra = {} if rope_tables is None else {"rope_tables": rope_tables}
-        if self.takes_linear:
-            extra["linear"] = self.linear
-        # tokens still on the device (async scheduling) come from the feed the step before wrote
-        token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)], batch.token_ids)
-        if self.unroll_layers:
-            model = nnx.merge(self.graphdef, restack_layers(params))
-            hidden, kv_cache = model(token_ids, batch.positions, kv_cache, meta, attention, unroll_layers=True,
-                                     **extra)
-        else:
-            model = nnx.merge(self.graphdef, params)
-            hidden, kv_cache = model(token_ids, batch.positions, kv_cache, meta, attention, **extra)
-        greedy = None  # (argmax, its logit) per row, where the head kernel computes them (`native_greedy`)
-        if packed_head is not None and argmax:
-            logits, *greedy = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=True)
-        elif packed_head is not None:
-            logits = self.linear.head_logits(hidden[batch.logits_indices], packed_head, argmax=False)
-        else:
-            logits = model.compute_logits(hidden[batch.logits_indices])
-        if self.mesh is not None:  # vocab-sharded -> whole on every device: sampling runs replicated
-            logits = tp.gather_logits(logits, cfg.vocab_size, self.mesh)
-        return logits, kv_cache, hidden, greedy  # hidden: every token's, for prompt logprobs (prompt_scoring.py)
-
-    def _prompt_head_impl(self, params, packed_head, hidden, targets):
-        """Prompt logprobs of PROMPT_LOGPROB_ROWS rows of final hidden states: the step's
-        logits computation (`_step_impl`), then `prompt_logprob_head`. A call of its own,
-        run only in steps with such rows, so no other step holds [tokens, vocab] logits."""
-        self._count_trace()
-        model = nnx.merge(self.graphdef, restack_layers(params) if self.unroll_layers else params)
-        if packed_head is not None:
-            logits = self.linear.head_logits(hidden, packed_head, argmax=False)
-        else:
-            logits = model.compute_logits(hidden)
-        if self.mesh is not None:
-            logits = tp.gather_logits(logits, self.model_config.vocab_size, self.mesh)
-        return prompt_logprob_head(logits, targets, k=self.num_top_logprobs)
 
     def _logits_buffer(self, batch: BatchInputs) -> jax.Array:
         """A [rows, vocab] f32 buffer for the step to write its logits into: the previous
