@@ -64,9 +64,9 @@ _HOOKS = {
     "gguf_weights": ("paged_jax.loading.gguf_weights", "", "load_gguf"),
     "gguf_tokenizer": ("paged_jax.loading.gguf_tokenizer", "", "load_gguf_tokenizer"),
     "runner_build": ("paged_jax.worker.model_runner", "ModelRunner", "__init__"),
-    "pack_unstack_layers": ("paged_jax.worker.model_runner", "", "unstack_layers"),
+    "pack_unstack_layers": ("paged_jax.worker.step_model", "", "unstack_layers"),
     "pack_choose_layout": ("paged_jax.platform.cpu", "CpuPlatform", "serving_linear"),
-    "pack_layer_matrices": ("paged_jax.worker.model_runner", "", "layer_matrices_as"),
+    "pack_layer_matrices": ("paged_jax.worker.step_model", "", "layer_matrices_as"),
     "pack_lm_head": ("paged_jax.platform.cpu_linear", "F32ColumnsLinear", "pack_head"),  # f32 (the default dtype)
     "native_kernel_build": ("cpu_kernels.build", "", "library_path"),
     "warm_up": ("paged_jax.worker.model_runner", "ModelRunner", "warm_up"),
