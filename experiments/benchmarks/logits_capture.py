@@ -21,8 +21,8 @@ class LastLogits:
         import numpy as np
         step = self.original = self.runner._step
 
-        def capture(*args):
-            out = step(*args)  # (logits, kv cache, hidden states, head-kernel argmax)
+        def capture(*args, **static):  # static: the step's kind
+            out = step(*args, **static)  # (logits, kv cache, hidden states, head-kernel argmax, token feed)
             self.row = np.array(jax.device_get(out[0])[0], np.float32)  # a copy: the buffer is donated next step
             return out
         self.runner._step = capture

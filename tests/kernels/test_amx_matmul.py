@@ -166,7 +166,7 @@ def test_greedy_batches_take_the_head_kernels_argmax_and_skip_the_head(tiny_llam
     assert (runner.packed_head is not None) == HAS_AMX_CPU
     head_calls = []
     original_head = runner._heads.run
-    runner._heads.run = lambda logits, batch: head_calls.append(1) or original_head(logits, batch)
+    runner._heads.run = lambda logits, feed, batch: head_calls.append(1) or original_head(logits, feed, batch)
     prompts = [{"prompt_token_ids": [5, 9, 12, 40, 3]}, {"prompt_token_ids": [77, 2, 19]}]
 
     def run(**params):
