@@ -95,7 +95,7 @@ class RequestBuilder:
                               cache_salt) for index in range(params.n)]
         seqs[0].pending_forks = seqs[1:]  # forked once the prompt (but its last token) is computed
         return CoreRequest(request_id, params, seqs, params.all_stop_token_ids(self.model_config.eos_token_ids),
-                            now, root=seqs[0])
+                           now, root=seqs[0], host_fed=params.structured_outputs is not None)
 
     def _beam_request(self, request_id, token_ids, params: BeamSearchParams, now, cache_salt) -> CoreRequest:
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
@@ -108,7 +108,8 @@ class RequestBuilder:
         # the sampled token is unused; logprobs=needed makes the runner return each beam's candidates
         greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=needed)
         seq = self._new_seq(request_id, 0, token_ids, greedy, now, 0, cache_salt)
-        return CoreRequest(request_id, params, [seq], eos, now, root=seq, beam=BeamSearchState(params, eos, max_new))
+        return CoreRequest(request_id, params, [seq], eos, now, root=seq, beam=BeamSearchState(params, eos, max_new),
+                           host_fed=True)
 
     def _new_seq(self, request_id, index, token_ids, params, now, seed, cache_salt) -> Sequence:
         seq = Sequence(seq_id=self.next_seq_id, request_id=request_id, index=index,

@@ -41,6 +41,7 @@ from paged_jax.engine.stats import EngineStats
 from paged_jax.worker.kv_cache import bytes_per_block
 from paged_jax.worker.model_runner import DispatchedStep, ModelRunner
 
+
 def paged_allocator(config: EngineConfig, num_host_blocks: int) -> BlockManager:
     """The paged BlockManager for a resolved `config` (the default `allocator_factory`)."""
     if config.kv_allocator != "paged":  # the engine does not know the baselines: they plug in from above
@@ -139,7 +140,6 @@ class EngineCore:
         validate_max_tokens(len(token_ids), params.max_tokens, self.config.max_model_len)  # no silent clamp
         now = self._clock() if arrival_time is None else arrival_time
         request = self._requests_builder.build(request_id, token_ids, params, now, cache_salt)
-        request.host_fed = request.beam is not None or params.structured_outputs is not None  # (a beam request never reads the field: it has none)
         self._num_host_fed += request.host_fed
         self._requests[request_id] = request
         for seq in request.seqs:

@@ -84,8 +84,7 @@ class BucketPrograms:
     its arguments' shapes (cheap: it runs every step). A call whose bucket has a program runs
     it (nothing is traced; JAX's Compiled still refuses arguments whose avals differ from
     what it was compiled for); any other call goes to the jitted function, as without a
-    cache. Static keyword arguments (the jit's static_argnames: a step's kind, a fused head's
-    variant) pick a program of their own within the bucket. Warm-up fills `programs`."""
+    cache. Warm-up fills `programs`."""
 
     def __init__(self, name: str, jitted, bucket_of: Callable[..., Hashable]):
         self.name = name
@@ -93,16 +92,38 @@ class BucketPrograms:
         self.bucket_of = bucket_of
         self.programs: dict[Hashable, Callable] = {}
 
-    def __call__(self, *args, **static):
-        program = self.programs.get(self.bucket_key(args, static))
-        return self.jitted(*args, **static) if program is None else program(*args)
+    def __call__(self, *args):
+        program = self.programs.get(self.bucket_of(*args))
+        return self.jitted(*args) if program is None else program(*args)
 
-    def bucket_key(self, args: tuple, static: dict) -> Hashable:
-        """The `programs` key of a call: its bucket and its static arguments."""
-        return self.bucket_of(*args), tuple(sorted(static.items()))
+    def lower(self, *args):
+        return self.jitted.lower(*args)
 
-    def lower(self, *args, **static):
-        return self.jitted.lower(*args, **static)
+
+class Variants:
+    """A function's variants, each its own BucketPrograms: `make_jit(**variant)` jits the
+    function with the variant's static values bound (functools.partial), and a call
+    `variants(*args, **variant)` runs that variant's program. Why not the jit's
+    static_argnames: a jit given in_shardings (tensor parallelism's) takes no keyword
+    arguments at all, and each variant is a program of its own anyway (its cache name is
+    `name[value, ...]`). `variants`: the static values each variant binds, as dicts."""
+
+    def __init__(self, name: str, make_jit: Callable, bucket_of: Callable[..., Hashable], variants: list[dict]):
+        self.by_variant = {_variant_key(v): BucketPrograms(f"{name}[{', '.join(map(repr, v.values()))}]",
+                                                           make_jit(**v), bucket_of) for v in variants}
+
+    def __call__(self, *args, **variant):
+        return self.by_variant[_variant_key(variant)](*args)
+
+    def variant(self, **variant) -> BucketPrograms:
+        return self.by_variant[_variant_key(variant)]
+
+    def lower(self, *args, **variant):
+        return self.variant(**variant).lower(*args)
+
+
+def _variant_key(variant: dict) -> tuple:
+    return tuple(sorted(variant.items()))
 
 
 def one_bucket(*args) -> tuple:
@@ -200,7 +221,7 @@ def runner_settings(runner) -> dict[str, Any] | None:
     return settings
 
 
-def _compile(jitted, args: tuple, static: dict):
+def _compile(jitted, args: tuple):
     """(the Compiled program of `jitted` for `args`, whether XLA compiled it just now). Only
     such a program can be stored: on this jaxlib (0.10.2, CPU), serializing an executable that
     was itself deserialized -- as every hit of JAX's persistent cache is -- gives bytes that
@@ -219,7 +240,7 @@ def _compile(jitted, args: tuple, static: dict):
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
-        compiled = jitted.lower(*args, **static).compile()
+        compiled = jitted.lower(*args).compile()
     finally:
         jax.monitoring.unregister_event_listener(on_event)
         jax.monitoring.unregister_event_duration_listener(on_duration)
@@ -258,21 +279,18 @@ class ExecutableCache:
             return None
         return cls(directory, environment_key() + repr(sorted(settings.items())), **kwargs)
 
-    def key(self, name: str, args: tuple, static: dict | None = None) -> str:
-        """The full key text of program `name` called with `args` (and static keyword arguments)."""
+    def key(self, name: str, args: tuple) -> str:
+        """The full key text of program `name` called with `args`."""
         leaves, tree = jax.tree_util.tree_flatten(args)
-        return "\n".join([self.context, name, repr(sorted((static or {}).items())), str(tree),
-                          *map(_leaf_key, leaves)])
+        return "\n".join([self.context, name, str(tree), *map(_leaf_key, leaves)])
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, hashlib.sha256(key.encode()).hexdigest() + ".exe")
 
-    def load_or_compile(self, name: str, jitted, args: tuple, static: dict | None = None):
-        """The Compiled program of `jitted` for `args` (and its static keyword arguments): read
-        from the cache, or (on a miss or an unreadable entry) traced, lowered and compiled,
-        then stored."""
-        static = static or {}
-        key = self.key(name, args, static)
+    def load_or_compile(self, name: str, jitted, args: tuple):
+        """The Compiled program of `jitted` for `args`: read from the cache, or (on a miss or
+        an unreadable entry) traced, lowered and compiled, then stored."""
+        key = self.key(name, args)
         path = self.path(key)
         start = time.perf_counter()
         compiled = self._load(path, key, args) if os.path.exists(path) else None
@@ -281,7 +299,7 @@ class ExecutableCache:
             self.hits += 1
             return compiled
         self.misses += 1
-        compiled, fresh = _compile(jitted, args, static)
+        compiled, fresh = _compile(jitted, args)
         if fresh:
             self._store(path, key, compiled)
         else:

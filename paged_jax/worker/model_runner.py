@@ -55,7 +55,7 @@ from paged_jax.worker import kv_cache as kvc
 from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch, prepare_batch
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
-from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, one_bucket
+from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, Variants, one_bucket
 from paged_jax.worker.head_dispatch import SplitHeads
 from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
 from paged_jax.worker.step_head import StepResult
@@ -142,14 +142,17 @@ class ModelRunner:
         # BatchInputs.feed_rows); every program that samples writes it (donated)
         self._feed = jax.device_put(np.zeros(max(config.seq_buckets), np.int32),
                                     tp.replicated(mesh) if mesh is not None else None)
-        # per (num_seqs, num_tokens) bucket, the Compiled program warm-up loaded or compiled (`BucketPrograms`);
-        # static: the step's kind where the attention kernels split decode steps (`_kind`), and whether
-        # the fused head samples: chosen on the host, a program each, so no step runs a `lax.cond`
-        self._step = BucketPrograms("step", jax.jit(model.step, donate_argnums=(1, 5, 6),
-                                                    static_argnames=("kind",), **step_shardings), _batch_bucket)
-        self._fused_step = BucketPrograms("fused_step", jax.jit(model.fused_step, donate_argnums=(1, 5),
-                                                                static_argnames=("kind", "sample")),
-                                          _batch_bucket)  # no mesh (`fused_head`)
+        # per variant and (num_seqs, num_tokens) bucket, the Compiled program warm-up loaded or compiled
+        # (`Variants`, `BucketPrograms`): the step's kind where the attention kernels split decode steps
+        # (`_kind`), and whether the fused head samples, chosen on the host, a program each, so no step
+        # runs a `lax.cond`
+        kinds = ("decode", "mixed") if self.attention_kernels.splits_decode else (None,)
+        self._step = Variants("step", lambda kind: jax.jit(functools.partial(model.step, kind=kind),
+                                                           donate_argnums=(1, 5, 6), **step_shardings),
+                              _batch_bucket, [{"kind": kind} for kind in kinds])
+        self._fused_step = Variants("fused_step", lambda kind, sample: jax.jit(  # no mesh (`fused_head`)
+            functools.partial(model.fused_step, kind=kind, sample=sample), donate_argnums=(1, 5)),
+            _batch_bucket, [{"kind": kind, "sample": sample} for kind in kinds for sample in (False, True)])
         self._logits_buffers: dict[int, jax.Array] = {}  # row bucket -> last step's logits, donated to the next
         self._heads = SplitHeads(self.num_top_logprobs, mesh, self._count_trace)
         prompt_shardings = {} if mesh is None else {
@@ -221,14 +224,15 @@ class ModelRunner:
             if self.fused_head:  # a program per kind and head variant (greedy, sampling)
                 for kind in kinds[num_seqs, num_tokens]:
                     for sample in (False, True):
-                        self._compile(self._fused_step, self.params, self.kv_cache, self._fused_inputs(batch),
-                                      self.rope_tables, self.packed_head, self._feed, kind=kind, sample=sample)
+                        self._compile(self._fused_step.variant(kind=kind, sample=sample), self.params,
+                                      self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head,
+                                      self._feed)
                 bar.update()
                 continue
             logits = self._logits_buffer(batch)  # the buffer the first real step of this bucket donates
             for kind in kinds[num_seqs, num_tokens]:
-                self._compile(self._step, self.params, self.kv_cache, _step_inputs(batch), self.rope_tables,
-                              self.packed_head, logits, self._feed, kind=kind)
+                self._compile(self._step.variant(kind=kind), self.params, self.kv_cache, _step_inputs(batch),
+                              self.rope_tables, self.packed_head, logits, self._feed)
             if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
                 heads_compiled.add(num_seqs)
                 self._heads.warm_up(logits, self._feed, batch, self.structured_outputs, self._compile)
@@ -244,15 +248,15 @@ class ModelRunner:
         bar.update()
         bar.close()
 
-    def _compile(self, program: BucketPrograms, *args, **static) -> None:
-        """Make `program`'s call with `args` (its bucket) and static keyword arguments ready
-        without running it: from the executable cache where it is on (that bucket's calls then
-        run the Compiled program), else lowered and compiled into the jit's own caches."""
+    def _compile(self, program: BucketPrograms, *args) -> None:
+        """Make `program`'s call with `args` (its bucket) ready without running it: from the
+        executable cache where it is on (that bucket's calls then run the Compiled program),
+        else lowered and compiled into the jit's own caches."""
         if self.executables is None:
-            program.lower(*args, **static).compile()
+            program.lower(*args).compile()
         else:
-            program.programs[program.bucket_key(args, static)] = self.executables.load_or_compile(
-                program.name, program.jitted, args, static)
+            program.programs[program.bucket_of(*args)] = self.executables.load_or_compile(
+                program.name, program.jitted, args)
 
     @property
     def device_seconds(self) -> float:

@@ -88,7 +88,8 @@ def _step_hlo(runner) -> dict:
     batch = empty_batch(num_seqs, num_tokens, runner.max_blocks_per_seq, runner.max_copies,
                         runner.num_blocks * runner.config.block_size)
     lowered = runner._step.lower(runner.params, runner.kv_cache, batch, runner.rope_tables, runner.packed_head,
-                                 runner._logits_buffer(batch), runner._feed)
+                                 runner._logits_buffer(batch), runner._feed,
+                                 kind=runner.step_kinds()[num_seqs, num_tokens][-1])
     return {"lowered": lowered.as_text(), "compiled": lowered.compile().as_text()}
 
 

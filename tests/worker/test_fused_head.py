@@ -199,7 +199,7 @@ def test_structured_outputs(vocab_model):
 def _conditionals(runner, batch, **static) -> int:
     """lax.cond's in the lowered fused step for `batch` (StableHLO `case` / `if` ops)."""
     text = runner._fused_step.lower(runner.params, runner.kv_cache, runner._fused_inputs(batch), runner.rope_tables,
-                                    runner.packed_head, runner._feed, **static).as_text()
+                                    runner.packed_head, runner._feed, **static).as_text()  # static: the variant
     return text.count("stablehlo.case") + text.count("stablehlo.if")
 
 
