@@ -179,10 +179,13 @@ def per_device_bytes(tree, device=None) -> int:
 
 
 def jit_kwargs(mesh: Mesh, params: Params) -> dict:
-    """in/out shardings for the runner's step: params as placed, cache by head, batch
-    replicated in, results replicated out (the cache keeps its sharding, so donation
-    aliases it and no step reshards). The step's outputs: logits, cache, hidden states and
-    the head kernel's argmax (None under a mesh, which never packs the head)."""
-    return {"in_shardings": (jax.tree.map(lambda a: a.sharding, params), cache_sharding(mesh), replicated(mesh)),
-            "out_shardings": (replicated(mesh), cache_sharding(mesh), replicated(mesh), replicated(mesh))}
+    """in/out shardings for the runner's step (StepModel.step): params as placed, cache by
+    head, everything else replicated in (batch, rope tables, packed head, logits buffer,
+    token feed) and out (the cache keeps its sharding, so donation aliases it and no step
+    reshards). The step's outputs: logits, cache, hidden states, the head kernel's argmax
+    (None under a mesh, which never packs the head) and the token feed."""
+    rep = replicated(mesh)
+    return {"in_shardings": (jax.tree.map(lambda a: a.sharding, params), cache_sharding(mesh), rep, rep, rep, rep,
+                             rep),
+            "out_shardings": (rep, cache_sharding(mesh), rep, rep, rep)}
 

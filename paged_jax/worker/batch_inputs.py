@@ -157,6 +157,12 @@ def _feed_row(feed_rows: Mapping[int, int] | None, seq_id: int) -> int:
     return row
 
 
+def step_inputs(batch: BatchInputs) -> BatchInputs:
+    """The batch without the fields only the heads read (the token bitmask, prompt targets):
+    the model step would otherwise receive (copy) them every step for nothing."""
+    return batch._replace(token_bitmask=None, use_mask=None, prompt_targets=None)
+
+
 def empty_batch(S: int, T: int, width: int, copies: int, pad_slot: int, mask_words: int = 1) -> BatchInputs:
     """An all-padding batch: writes nothing, reads only the null block (also warm-up's input)."""
     return BatchInputs(

@@ -126,6 +126,16 @@ def _variant_key(variant: dict) -> tuple:
     return tuple(sorted(variant.items()))
 
 
+def prepare(program: BucketPrograms, args: tuple, cache: ExecutableCache | None) -> None:
+    """Make `program`'s call with `args` (its bucket) ready without running it: from `cache`
+    where it is on (that bucket's calls then run the Compiled program), else lowered and
+    compiled into the jit's own caches (a call then finds it there)."""
+    if cache is None:
+        program.lower(*args).compile()
+    else:
+        program.programs[program.bucket_of(*args)] = cache.load_or_compile(program.name, program.jitted, args)
+
+
 def one_bucket(*args) -> tuple:
     """The bucket of a program compiled for one shape only."""
     return ()

@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import functools
 import gc
-import sys
 import time
 from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 from flax import nnx
 
 from paged_jax.config.engine_config import EngineConfig
@@ -52,14 +50,16 @@ from paged_jax.model.decoder import LlamaDecoder
 from paged_jax.model.llama import Params
 from paged_jax.platform import Platform, current_platform
 from paged_jax.worker import kv_cache as kvc
-from paged_jax.worker.batch_inputs import BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch, prepare_batch
+from paged_jax.worker.batch_inputs import (BatchInputs, all_batch_shapes, batch_shape_kinds, empty_batch,
+                                           prepare_batch, step_inputs)
 from paged_jax.worker.block_moves import BlockMover
 from paged_jax.worker.block_tables import HostBlockTables
 from paged_jax.worker.executable_cache import BucketPrograms, ExecutableCache, Variants, one_bucket
 from paged_jax.worker.head_dispatch import SplitHeads
-from paged_jax.worker.prompt_scoring import PROMPT_LOGPROB_ROWS, score_prompt_positions
+from paged_jax.worker.prompt_scoring import score_prompt_positions
 from paged_jax.worker.step_head import StepResult
 from paged_jax.worker.step_model import StepModel
+from paged_jax.worker.warm_up import compile_buckets
 
 
 class DispatchedStep(NamedTuple):
@@ -130,11 +130,6 @@ class ModelRunner:
         self.on_step: Callable[[BatchInputs], None] | None = None
         step_shardings = {} if mesh is None else tp.jit_kwargs(mesh, params)
         cache_shardings = {} if mesh is None else {"out_shardings": tp.cache_sharding(mesh)}
-        if mesh is not None:  # rope tables, packed head (None here), logits buffer: replicated like the batch
-            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], *[tp.replicated(mesh)] * 3)
-        if mesh is not None:  # the token feed: replicated in and out
-            step_shardings["in_shardings"] = (*step_shardings["in_shardings"], tp.replicated(mesh))
-            step_shardings["out_shardings"] = (*step_shardings["out_shardings"], tp.replicated(mesh))
         if self.rope_tables is not None:
             self.rope_tables = jax.device_put(self.rope_tables, tp.replicated(mesh) if mesh is not None else None)
         # The token feed: each step's sampled tokens, in its rows, left on the device for the next
@@ -208,55 +203,9 @@ class ModelRunner:
         gc.freeze()
         try:
             self.executables = ExecutableCache.for_runner(self)
-            self._compile_buckets(progress)
+            compile_buckets(self, progress)
         finally:
             gc.unfreeze()
-
-    def _compile_buckets(self, progress: bool) -> None:
-        shapes = self.batch_shapes()
-        bar = tqdm.tqdm(total=len(shapes) + 1, desc="compiling buckets", unit="bucket",
-                        disable=not progress, leave=False, file=sys.stderr)
-        heads_compiled = set()
-        kinds = self.step_kinds()
-        for num_seqs, num_tokens in shapes:
-            bar.set_postfix_str(f"{num_seqs} seqs x {num_tokens} tokens")
-            batch = self.empty_batch(num_seqs, num_tokens)
-            if self.fused_head:  # a program per kind and head variant (greedy, sampling)
-                for kind in kinds[num_seqs, num_tokens]:
-                    for sample in (False, True):
-                        self._compile(self._fused_step.variant(kind=kind, sample=sample), self.params,
-                                      self.kv_cache, self._fused_inputs(batch), self.rope_tables, self.packed_head,
-                                      self._feed)
-                bar.update()
-                continue
-            logits = self._logits_buffer(batch)  # the buffer the first real step of this bucket donates
-            for kind in kinds[num_seqs, num_tokens]:
-                self._compile(self._step.variant(kind=kind), self.params, self.kv_cache, _step_inputs(batch),
-                              self.rope_tables, self.packed_head, logits, self._feed)
-            if num_seqs not in heads_compiled:  # the heads read only the logits: once per row bucket
-                heads_compiled.add(num_seqs)
-                self._heads.warm_up(logits, self._feed, batch, self.structured_outputs, self._compile)
-            self._logits_buffers[num_seqs] = logits
-            bar.update()
-        bar.set_postfix_str("prompt logprobs, block copies and moves")
-        hidden = np.zeros((PROMPT_LOGPROB_ROWS, self.model_config.hidden_size), np.float32)
-        self._compile(self._prompt_head, self.params, self.packed_head, hidden, np.zeros(PROMPT_LOGPROB_ROWS, np.int32))
-        no_copies = np.zeros(self.max_copies, np.int32)  # the null block onto itself
-        self._compile(self._copy_blocks, self.kv_cache, no_copies, no_copies)
-        if self.block_mover.num_host_blocks or self.config.kv_transfer:  # swaps / prompt K/V moves
-            self.kv_cache = self.block_mover.warm_up(self.kv_cache)
-        bar.update()
-        bar.close()
-
-    def _compile(self, program: BucketPrograms, *args) -> None:
-        """Make `program`'s call with `args` (its bucket) ready without running it: from the
-        executable cache where it is on (that bucket's calls then run the Compiled program),
-        else lowered and compiled into the jit's own caches."""
-        if self.executables is None:
-            program.lower(*args).compile()
-        else:
-            program.programs[program.bucket_of(*args)] = self.executables.load_or_compile(
-                program.name, program.jitted, args)
 
     @property
     def device_seconds(self) -> float:
@@ -396,7 +345,7 @@ class ModelRunner:
     def _split_step(self, batch: BatchInputs, late_bitmask, kind) -> tuple[StepResult, jax.Array]:
         """The model step, then its head as a call of its own (`SplitHeads`); (result, hidden)."""
         logits, self.kv_cache, hidden, greedy, self._feed = self._step(
-            self.params, self.kv_cache, _step_inputs(batch), self.rope_tables, self.packed_head,
+            self.params, self.kv_cache, step_inputs(batch), self.rope_tables, self.packed_head,
             self._logits_buffer(batch), self._feed, kind=kind)
         if late_bitmask is not None:  # host work while the model step runs
             rows = late_bitmask()
@@ -414,15 +363,9 @@ class ModelRunner:
         structured outputs (else its one-word placeholder stays on the host), not the prompt targets."""
         if self.structured_outputs:
             return batch._replace(prompt_targets=None)
-        return _step_inputs(batch)
+        return step_inputs(batch)
 
 
 def _batch_bucket(params, kv_cache, batch: BatchInputs, *rest) -> tuple[int, int]:
     """A step call's bucket: (num_seqs, num_tokens) of its padded batch."""
     return batch.block_tables.shape[0], batch.token_ids.shape[0]
-
-
-def _step_inputs(batch: BatchInputs) -> BatchInputs:
-    """The batch without the fields only the heads read (the token bitmask, prompt targets):
-    the model step would otherwise receive (copy) them every step for nothing."""
-    return batch._replace(token_bitmask=None, use_mask=None, prompt_targets=None)
